@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The pinned CPU wheel first: a loose torch requirement would pull a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/llmrt generate --prompt "Once upon a time" --max-tokens 120
+	@echo
+	@echo "Next: $(VENV)/bin/llmrt generate --help   (or: from llmrt import LLM; LLM().generate(...))"
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow"
+
+bench: $(STAMP)
+	$(VENV)/bin/llmrt bench throughput --random-model 110m --dtype bfloat16
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,152 @@
+"""EngineConfig and its parts; the one place knobs are defined and validated."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from llmrt.errors import InvalidRequestError, ModelLoadError, UnsupportedError
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "data" / "stories260K"
+DEFAULT_MODEL_NAME = "stories260K"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str, hf_config: dict[str, Any]) -> torch.dtype:
+    """Resolve `auto` to the checkpoint's dtype; reject unknown names."""
+    if name == "auto":
+        name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32").replace("torch.", "")
+        if name not in _DTYPES:
+            name = "float32"
+    if name not in _DTYPES:
+        raise InvalidRequestError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}", param="dtype")
+    return _DTYPES[name]
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to run and how."""
+
+    model: str = ""
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    seed: int = 0
+    served_model_name: Optional[str] = None
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    torch_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            self.model = str(DEFAULT_MODEL_DIR)
+            self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
+        path = Path(self.model)
+        cfg = path / "config.json"
+        if not cfg.is_file():
+            raise ModelLoadError(
+                f"model {self.model!r}: no config.json there. llmrt loads local Hugging Face checkpoint "
+                "directories (config.json + *.safetensors + tokenizer files); nothing is downloaded."
+            )
+        self.hf_config = json.loads(cfg.read_text())
+        self.torch_dtype = parse_dtype(self.dtype, self.hf_config)
+        limit = self.derived_max_len()
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len < 1:
+            raise InvalidRequestError("max_model_len must be >= 1", param="max_model_len")
+        elif self.max_model_len > limit:
+            raise UnsupportedError(
+                f"max_model_len {self.max_model_len} exceeds the model's context of {limit} tokens",
+                param="max_model_len",
+            )
+        if self.served_model_name is None:
+            self.served_model_name = path.resolve().name
+
+    def derived_max_len(self) -> int:
+        """The model's own context limit from its config."""
+        c = self.hf_config
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            if isinstance(c.get(key), int):
+                return int(c[key])
+        return 2048
+
+    @property
+    def architecture(self) -> str:
+        """The first entry of `architectures` in config.json."""
+        archs = self.hf_config.get("architectures") or []
+        return archs[0] if archs else ""
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache sizing."""
+
+    block_size: int = 16
+    kv_cache_memory: Optional[int] = None  # bytes for KV blocks (CPU); None: a default budget
+    gpu_memory_utilization: float = 0.9  # fraction of device memory llmrt may use (CUDA)
+    num_gpu_blocks_override: Optional[int] = None  # fix the block count (tests, experiments)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError("block_size must be a power of two >= 1", param="block_size")
+        if not 0.05 <= self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequestError("gpu_memory_utilization must be in [0.05, 1]", param="gpu_memory_utilization")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_seqs must be >= 1", param="max_num_seqs")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidRequestError("max_num_batched_tokens must be >= 1", param="max_num_batched_tokens")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs; built once, validated once."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UnsupportedError("device cuda requested but no CUDA device is available", param="device")
+
+    @classmethod
+    def create(cls, model: Optional[str] = None, **kwargs: Any) -> "EngineConfig":
+        """Build from flat keyword arguments (the LLM() and CLI surface)."""
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        owners = {
+            "model": ModelConfig.__dataclass_fields__, "cache": CacheConfig.__dataclass_fields__,
+            "scheduler": SchedulerConfig.__dataclass_fields__,
+        }
+        device = kwargs.pop("device", "auto")
+        if "scheduling_policy" in kwargs:
+            kwargs["policy"] = kwargs.pop("scheduling_policy")
+        for key, value in kwargs.items():
+            if value is None:
+                continue
+            for part, fields in owners.items():
+                if key in fields:
+                    parts[part][key] = value
+                    break
+            else:
+                raise InvalidRequestError(f"unknown engine option {key!r}", param=key)
+        model_cfg = ModelConfig(model=model or os.environ.get("LLMRT_MODEL", ""), **parts["model"])
+        return cls(model=model_cfg, cache=CacheConfig(**parts["cache"]),
+                   scheduler=SchedulerConfig(**parts["scheduler"]), device=device)
