@@ -18,7 +18,8 @@ class RequestMetrics:
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
+    num_output_tokens: int = 0  # over all samples
+    num_generation_steps: int = 0  # tokens of the longest sample
     num_cached_tokens: int = 0
     num_preemptions: int = 0
 
@@ -44,9 +45,9 @@ class RequestMetrics:
     @property
     def tpot(self) -> Optional[float]:
         """Mean time per output token after the first."""
-        if self.first_token_time is None or self.last_token_time is None or self.num_output_tokens < 2:
+        if self.first_token_time is None or self.last_token_time is None or self.num_generation_steps < 2:
             return None
-        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_steps - 1)
 
     @property
     def e2e(self) -> Optional[float]:

@@ -1,0 +1,117 @@
+"""EngineCore: validates token-level requests and runs the schedule -> execute -> update step loop."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from llmrt.config import EngineConfig
+from llmrt.engine.kv_cache import BlockManager
+from llmrt.engine.model_runner import ModelRunner
+from llmrt.engine.request import Request
+from llmrt.engine.scheduler import EngineCoreOutput, Scheduler
+from llmrt.errors import ContextLengthExceededError, InvalidRequestError
+from llmrt.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def model_eos_token_ids(config: EngineConfig) -> list[int]:
+    """EOS ids from generation_config.json and config.json (either may hold an int or a list)."""
+    ids: list[int] = []
+    sources = [config.model.hf_config]
+    gen = Path(config.model.model) / "generation_config.json"
+    if gen.is_file():
+        sources.insert(0, json.loads(gen.read_text()))
+    for src in sources:
+        value = src.get("eos_token_id")
+        for v in (value if isinstance(value, list) else [value]):
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+    return ids
+
+
+def _sample_seed(seed: int, index: int) -> int:
+    # Sample 0 uses the seed as given; later samples get distinct, reproducible streams.
+    return (seed + index * 0x9E3779B97F4A7C15) % (1 << 63)
+
+
+class EngineCore:
+    """Owns the scheduler, the block manager and the model runner; sees tokens, never text."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.memory = self.runner.initialize_kv_cache()
+        self.block_manager = BlockManager(self.memory.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
+        self.eos_token_ids = model_eos_token_ids(config)
+        self.vocab_size = self.runner.vocab_size
+        self.num_steps = 0
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output this engine accepts."""
+        return int(self.config.model.max_model_len)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: Optional[float] = None, priority: int = 0) -> None:
+        """Validate and queue a request; raises an LLMRTError and changes nothing if it is bad."""
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]!r} is out of the vocabulary [0, {self.vocab_size})", param="prompt")
+        n_prompt, limit = len(prompt), self.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
+        if n_prompt + max(max_tokens, 1) > limit:
+            raise ContextLengthExceededError(
+                f"this model's maximum context length is {limit} tokens, but {n_prompt + max_tokens} were "
+                f"requested ({n_prompt} in the prompt, {max_tokens} for the completion); shorten the prompt "
+                "or lower max_tokens", param="max_tokens" if params.max_tokens is not None else "prompt")
+        need = self.block_manager.blocks_for(n_prompt + max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise ContextLengthExceededError(
+                f"{n_prompt} prompt + {max_tokens} completion tokens need {need} KV blocks of "
+                f"{self.block_manager.block_size} tokens, but the whole cache holds {self.block_manager.num_blocks}",
+                param="max_tokens")
+        params = dataclasses.replace(params)
+        params.eos_token_ids = list(self.eos_token_ids)
+        gens: list[Optional[torch.Generator]] = []
+        if params.seed is not None:
+            for i in range(params.n):
+                g = torch.Generator(device=self.runner.device)
+                g.manual_seed(_sample_seed(params.seed, i))
+                gens.append(g)
+        request = Request(request_id, prompt, params, arrival_time or time.monotonic(), max_tokens, priority, gens)
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> list[EngineCoreOutput]:
+        """Stop a request now; its blocks are free when this returns."""
+        return self.scheduler.abort_request(request_id)
+
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """End one sample (the front end matched a stop string); frees its blocks."""
+        self.scheduler.finish_sequence(request_id, index, "stop")
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, execute and update once; returns the new tokens and finishes of this step."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched)
+        self.num_steps += 1
+        return self.scheduler.update(sched, result)

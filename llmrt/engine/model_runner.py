@@ -1,0 +1,273 @@
+"""Turns a SchedulerOutput into flat tensors, runs the model over the paged KV cache, and samples."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from llmrt.config import EngineConfig
+from llmrt.errors import OutOfMemoryError
+from llmrt.engine.scheduler import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from llmrt.hardware import device_memory_free_total, measure_peak_memory
+from llmrt.model.layers.attention import AttentionMetadata, PrefillSpan
+from llmrt.model.layers.sampler import Sampler, SamplingMetadata
+from llmrt.model.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+_GiB = 1 << 30
+_DEFAULT_CPU_KV_BYTES = 2 * _GiB
+
+
+@dataclass
+class MemoryPlan:
+    """How device memory is split, as measured at start-up."""
+
+    weights_bytes: int
+    activation_peak_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    num_blocks: int
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of all KV blocks."""
+        return self.num_blocks * self.block_size * self.kv_bytes_per_token
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens the KV cache holds at once."""
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        """One log line."""
+        mib = 1 << 20
+        return (f"memory: weights {self.weights_bytes / mib:.1f} MiB, activation peak "
+                f"{self.activation_peak_bytes / mib:.1f} MiB, KV cache {self.kv_cache_bytes / mib:.1f} MiB "
+                f"= {self.num_blocks} blocks x {self.block_size} tokens x {self.kv_bytes_per_token} B/token "
+                f"(max {self.max_tokens} tokens)")
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_items: list[ScheduledSequence]  # items with num_samples > 0, in scheduler order
+
+
+class ModelRunner:
+    """Owns the model, its KV cache tensors and the sampler on one device."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        torch.manual_seed(config.model.seed)
+        start = time.perf_counter()
+        self.model = load_model(config.model, self.device)
+        self.load_seconds = time.perf_counter() - start
+        self.block_size = config.cache.block_size
+        self.vocab_size = int(config.model.hf_config["vocab_size"] if "vocab_size" in config.model.hf_config
+                              else self.model.lm_head.out_features)
+        self.kv_dtype = config.model.torch_dtype
+        self.kv_spec = self.model.kv_cache_spec()
+        self.sampler = Sampler()
+        self.memory: Optional[MemoryPlan] = None
+
+    # -- start-up --------------------------------------------------------------------------------------
+    def weights_bytes(self) -> int:
+        """Bytes of parameters (tied ones counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def profile_activation_peak(self) -> int:
+        """Measure the peak memory of the largest step the scheduler can issue."""
+        sc = self.config.scheduler
+        num_tokens = min(sc.max_num_batched_tokens, self.config.model.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        self._bind_cache(num_blocks)
+        fake = ScheduledSequence(_ProfileSeq(num_tokens, list(range(num_blocks))), num_tokens, 0)  # type: ignore[arg-type]
+        batch = self._prepare(SchedulerOutput([fake], [], num_tokens))
+        rows = min(sc.max_num_seqs, num_tokens)
+        idx = torch.arange(num_tokens - rows, num_tokens, device=self.device)
+
+        def step() -> None:
+            hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+            self.model.compute_logits(hidden[idx]).softmax(-1)
+
+        peak = measure_peak_memory(step, self.device)
+        self._unbind_cache()
+        return peak
+
+    def initialize_kv_cache(self) -> MemoryPlan:
+        """Size the KV cache from the memory budget left after weights and activations, and allocate it."""
+        cc = self.config.cache
+        weights = self.weights_bytes()
+        activation = self.profile_activation_peak()
+        per_token = self.kv_spec.bytes_per_token(self.kv_dtype)
+        block_bytes = per_token * self.block_size
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            _, total = device_memory_free_total(self.device)
+            used_elsewhere = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            budget = int(total * cc.gpu_memory_utilization) - weights - activation - used_elsewhere
+            num_blocks = budget // block_bytes
+        else:
+            budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else _DEFAULT_CPU_KV_BYTES
+            num_blocks = budget // block_bytes
+            if cc.kv_cache_memory is None:
+                # A default budget never allocates more than the scheduler could ever fill.
+                useful = self.config.scheduler.max_num_seqs * -(-self.config.model.max_model_len // self.block_size)
+                num_blocks = min(num_blocks, useful)
+        if num_blocks < 1:
+            raise_oom(weights, activation, block_bytes)
+        self._bind_cache(num_blocks)
+        self.memory = MemoryPlan(weights, activation, per_token, self.block_size, num_blocks)
+        logger.info(self.memory.describe())
+        return self.memory
+
+    def _bind_cache(self, num_blocks: int) -> None:
+        spec = self.kv_spec
+        shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        # Zeroed, not empty: padded decode reads touch unwritten slots, and 0 * NaN would poison the output.
+        for layer in self.model.attention_layers():
+            layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+
+    def _unbind_cache(self) -> None:
+        for layer in self.model.attention_layers():
+            layer.k_cache = layer.v_cache = None
+
+    # -- one step --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and sample for every sequence whose known tokens are now all computed."""
+        if out.block_copies:
+            self._copy_blocks(out.block_copies)
+        batch = self._prepare(out)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        if not batch.sample_items:
+            return ModelRunnerOutput([])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        meta = self._sampling_metadata(batch.sample_items)
+        result = self.sampler(logits, meta)
+        return self._collect(batch.sample_items, result)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for layer in self.model.attention_layers():
+            layer.k_cache[dst] = layer.k_cache[src]
+            layer.v_cache[dst] = layer.v_cache[src]
+
+    def _prepare(self, out: SchedulerOutput) -> _Batch:
+        bs = self.block_size
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_index: dict[int, int] = {}  # id(item) -> flat index of its last token
+
+        tables: list[list[int]] = []
+        ctx_lens: list[int] = []
+        for item in decodes:
+            seq = item.seq
+            p = seq.num_computed_tokens
+            last_index[id(item)] = len(ids)
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(seq.block_ids[p // bs] * bs + p % bs)
+            tables.append(seq.block_ids)
+            ctx_lens.append(p + 1)
+
+        spans: list[PrefillSpan] = []
+        span_slots: list[torch.Tensor] = []
+        for item in prefills:
+            seq, n = item.seq, item.num_new_tokens
+            p0 = seq.num_computed_tokens
+            start = len(ids)
+            ids.extend(seq.token_ids[p0:p0 + n])
+            positions.extend(range(p0, p0 + n))
+            table = torch.tensor(seq.block_ids, dtype=torch.long)
+            pos = torch.arange(p0, p0 + n)
+            span_slots.append(table[pos // bs] * bs + pos % bs)
+            spans.append(PrefillSpan(start, n, p0 + n, table.to(self.device, non_blocking=True)))
+            last_index[id(item)] = start + n - 1
+
+        dev = self.device
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        if span_slots:
+            slot_mapping = torch.cat([slot_mapping, *span_slots])
+        decode_tables = decode_lens = None
+        if decodes:
+            width = max(len(t) for t in tables)
+            decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
+            decode_lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(slot_mapping.to(dev), len(decodes), decode_tables, decode_lens, spans)
+
+        sample_items = [s for s in out.scheduled if s.num_samples > 0]
+        logits_indices = [last_index[id(s)] for s in sample_items for _ in range(s.num_samples)]
+        return _Batch(
+            torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
+            meta, torch.tensor(logits_indices, dtype=torch.long, device=dev), sample_items,
+        )
+
+    def _sampling_metadata(self, items: list[ScheduledSequence]) -> SamplingMetadata:
+        params, prompts, outputs, gens = [], [], [], []
+        for item in items:
+            seq = item.seq
+            req = seq.request
+            for j in range(item.num_samples):
+                params.append(req.params)
+                prompts.append(req.prompt_token_ids)
+                outputs.append(seq.output_token_ids)
+                gens.append(req.generators[j] if item.num_samples > 1 and req.generators else seq.generator)
+        return SamplingMetadata.build(params, prompts, outputs, gens, self.vocab_size, self.device)
+
+    def _collect(self, items: list[ScheduledSequence], result) -> ModelRunnerOutput:  # type: ignore[no-untyped-def]
+        tokens = result.sampled_token_ids.tolist()
+        want_logprobs = result.logprobs is not None
+        lp_vals = result.logprobs.tolist() if want_logprobs else None
+        lp_ids = result.logprob_token_ids.tolist() if want_logprobs else None
+        sampled: list[list[int]] = []
+        logprobs: list[list[dict[int, float]]] = []
+        row = 0
+        for item in items:
+            k = item.seq.params.logprobs
+            sampled.append(tokens[row:row + item.num_samples])
+            if want_logprobs:
+                group = []
+                for r in range(row, row + item.num_samples):
+                    entry: dict[int, float] = {}
+                    if k is not None:
+                        entry[lp_ids[r][0]] = lp_vals[r][0]
+                        for t, v in zip(lp_ids[r][1:1 + k], lp_vals[r][1:1 + k]):
+                            entry.setdefault(t, v)
+                    group.append(entry)
+                logprobs.append(group)
+            row += item.num_samples
+        return ModelRunnerOutput(sampled, logprobs if want_logprobs else None)
+
+
+class _ProfileSeq:
+    """A stand-in sequence for the profiling step: num_tokens of token 0 in blocks 0..n-1."""
+
+    def __init__(self, num_tokens: int, block_ids: list[int]):
+        self.token_ids = [0] * num_tokens
+        self.num_computed_tokens = 0
+        self.block_ids = block_ids
+
+
+def raise_oom(weights: int, activation: int, block_bytes: int) -> None:
+    """No room for even one KV block: say the numbers."""
+    raise OutOfMemoryError(
+        f"no memory left for the KV cache: weights {weights} B and activation peak {activation} B leave less "
+        f"than one block ({block_bytes} B); raise --gpu-memory-utilization / --kv-cache-memory or lower "
+        "--max-num-batched-tokens"
+    )

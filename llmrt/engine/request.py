@@ -1,0 +1,91 @@
+"""Request / Sequence state: a request owns n samples (sequences); the scheduler moves sequences."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from llmrt.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its KV freed, to be recomputed
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One submitted prompt and its sampling settings; its samples fork from sequence 0 after prefill."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    max_tokens: int  # resolved: params.max_tokens or what max_model_len leaves
+    priority: int = 0
+    generators: list[Optional[torch.Generator]] = field(default_factory=list, repr=False)
+    sequences: list["Sequence"] = field(default_factory=list, repr=False)
+    forked: bool = False  # whether samples 1..n-1 exist yet
+    first_scheduled_time: Optional[float] = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt_token_ids)
+
+    def is_finished(self) -> bool:
+        """True when every sample exists and has finished."""
+        return len(self.sequences) == self.params.n and all(s.is_finished for s in self.sequences)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample: its tokens (prompt + output), how many have KV computed, and its blocks."""
+
+    seq_id: int
+    request: Request
+    index: int
+    token_ids: list[int]
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int] = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
+        return len(self.token_ids) - self.request.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Generated tokens so far."""
+        return self.token_ids[self.request.num_prompt_tokens:]
+
+    @property
+    def params(self) -> SamplingParams:
+        """The request's sampling settings."""
+        return self.request.params
+
+    @property
+    def generator(self) -> Optional[torch.Generator]:
+        """This sample's seeded generator, if the request has a seed."""
+        gens = self.request.generators
+        return gens[self.index] if gens else None
+
+    @property
+    def is_finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.status is SequenceStatus.FINISHED

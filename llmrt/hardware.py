@@ -1,0 +1,143 @@
+"""What the device is and can do: the one place capability checks live."""
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """CPU feature flags from /proc/cpuinfo (empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_has_native_fp16() -> bool:
+    """True when the CPU has fp16 arithmetic (AVX512-FP16 or AMX-FP16)."""
+    flags = cpu_flags()
+    return "avx512_fp16" in flags or "amx_fp16" in flags
+
+
+def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype matmuls run in for weights stored as `dtype` on `device`.
+
+    CPUs without bf16/fp16 instructions emulate those matmuls several times slower than fp32, so there the
+    weights and KV cache stay in the narrow dtype (memory) and the arithmetic runs in fp32 (speed).
+    """
+    if device.type != "cpu" or dtype == torch.float32:
+        return dtype
+    if os.environ.get("LLMRT_CPU_NATIVE_HALF") == "1":
+        return dtype
+    if dtype == torch.bfloat16 and cpu_has_native_bf16():
+        return dtype
+    if dtype == torch.float16 and cpu_has_native_fp16():
+        return dtype
+    return torch.float32
+
+
+@dataclass
+class DeviceInfo:
+    """A summary of the device for logs and benchmark reports."""
+
+    device: str
+    name: str
+    total_memory: int
+    capability: str
+
+    @classmethod
+    def probe(cls, device: torch.device) -> "DeviceInfo":
+        """Describe `device`."""
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            return cls(str(device), props.name, props.total_memory, f"sm_{props.major}{props.minor}")
+        name = "cpu"
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        name = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return cls("cpu", name, total, torch.backends.cpu.get_cpu_capability())
+
+
+def device_memory_free_total(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of device memory; for CPU, available and total RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    avail = total
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    return avail, total
+
+
+def measure_peak_memory(fn: Callable[[], object], device: torch.device) -> int:
+    """Bytes of device memory `fn` allocates at its peak, over what was allocated before it ran."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    tracker = _LiveTensorBytes()
+    with tracker:
+        fn()
+    return tracker.peak
+
+
+class _LiveTensorBytes(TorchDispatchMode):
+    """Tracks bytes of tensor storages that ops create and that are still alive (CPU has no allocator stats)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _release(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if not key or key in self.live or key in inputs:
+                continue  # a view or an in-place result, not a new allocation
+            self.live[key] = storage.nbytes()
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(storage, self._release, key)
+        return out

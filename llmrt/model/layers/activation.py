@@ -1,0 +1,35 @@
+"""Activations, including the fused gate*up of gated MLPs."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from llmrt.errors import UnsupportedError
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's 'gelu_new' (tanh approximation)."""
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_fast": gelu_tanh, "relu": F.relu,
+}
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Look up an activation by its HF name."""
+    if name not in ACTIVATIONS:
+        raise UnsupportedError(f"activation {name!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def gated(act: Callable[[torch.Tensor], torch.Tensor], gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up for a fused [.., 2*I] gate_up tensor."""
+    d = gate_up.shape[-1] // 2
+    return act(gate_up[..., :d]) * gate_up[..., d:]
+
+

@@ -1,0 +1,133 @@
+"""Loading HF safetensors checkpoints (single or sharded) into llmrt's model classes."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from llmrt.config import ModelConfig
+from llmrt.errors import ModelLoadError
+from llmrt.hardware import compute_dtype
+from llmrt.model.models.base import CausalLM
+from llmrt.model.models.registry import resolve_architecture
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from its index when sharded."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} names shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {model_dir} (only safetensors checkpoints are supported)")
+    return files
+
+
+def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
+    """Build the model for `model_cfg` on `device` and fill it from the checkpoint."""
+    arch = model_cfg.architecture
+    cls = resolve_architecture(arch)
+    dtype = model_cfg.torch_dtype
+    try:
+        with torch.device(device), _default_dtype(dtype):
+            model = cls(model_cfg.hf_config, compute_dtype(device, dtype), arch)
+    except KeyError as e:
+        raise ModelLoadError(f"config.json of {model_cfg.model} lacks the field {e.args[0]!r} that {arch} needs")
+    load_weights(model, Path(model_cfg.model))
+    return model.eval()
+
+
+def _target(model: CausalLM, hf_name: str) -> tuple[str, int | None]:
+    name = model.hf_to_ours(hf_name) if hasattr(model, "hf_to_ours") else hf_name
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in model.packed_modules:
+            fused, shard = model.packed_modules[part]
+            parts[i] = fused
+            return ".".join(parts), shard
+    return name, None
+
+
+def load_weights(model: CausalLM, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into its parameter; name any tensor missing or misshapen."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = model.tied_parameters()
+    expected: set[tuple[str, int | None]] = set()
+    for name, p in params.items():
+        if name in tied:
+            continue
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        sizes = getattr(module, "output_sizes", [p.shape[0]])
+        if name.endswith("weight") or name.endswith("bias"):
+            shards = range(len(sizes)) if len(sizes) > 1 and _is_packed(model, name) else [None]
+        else:
+            shards = [None]
+        expected.update((name, s) for s in shards)
+
+    loaded: set[tuple[str, int | None]] = set()
+    unexpected: list[str] = []
+    files = checkpoint_files(model_dir)
+    with tqdm(desc="loading weights", unit="tensor", disable=None, leave=False) as bar:
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for hf_name in f.keys():
+                    bar.update(1)
+                    if hf_name.endswith(model.ignored_suffixes):
+                        continue
+                    name, shard = _target(model, hf_name)
+                    if name in tied or name not in params:
+                        if name not in tied:
+                            unexpected.append(hf_name)
+                        continue
+                    tensor = model.transform_weight(hf_name, f.get_tensor(hf_name))
+                    _copy_into(model, params[name], name, shard, tensor, hf_name)
+                    loaded.add((name, shard))
+    missing = sorted(expected - loaded, key=str)
+    if missing:
+        shown = ", ".join(f"{n}" + (f"[shard {s}]" if s is not None else "") for n, s in missing[:10])
+        raise ModelLoadError(f"checkpoint {model_dir} is missing {len(missing)} tensor(s) the model needs: {shown}")
+    if unexpected:
+        logger.warning("ignored %d checkpoint tensor(s) the model does not use: %s", len(unexpected),
+                       ", ".join(unexpected[:5]))
+
+
+def _is_packed(model: CausalLM, name: str) -> bool:
+    fused = {v[0] for v in model.packed_modules.values()}
+    return any(part in fused for part in name.split("."))
+
+
+def _copy_into(model: CausalLM, param: torch.nn.Parameter, name: str, shard: int | None,
+               tensor: torch.Tensor, hf_name: str) -> None:
+    target = param.data
+    if shard is not None:
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        target = target[module.shard_slice(shard)]
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ModelLoadError(
+            f"tensor {hf_name!r} has shape {tuple(tensor.shape)} but the model expects {tuple(target.shape)} "
+            "(does config.json match the weights?)"
+        )
+    target.copy_(tensor)

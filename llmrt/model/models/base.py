@@ -1,0 +1,63 @@
+"""What every model family provides to the loader and the runner."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from llmrt.model.layers.attention import Attention, AttentionMetadata
+from llmrt.model.layers.linear import Linear
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of the KV cache one model needs per token."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V bytes for one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class CausalLM(nn.Module):
+    """Base of llmrt's model families: flat tokens in, hidden states out, logits on request."""
+
+    # HF projection name -> (our fused module name, shard index); see loader.load_weights.
+    packed_modules: dict[str, tuple[str, int]] = {}
+    # HF tensor-name suffixes that carry no weights (old buffers) and are skipped.
+    ignored_suffixes: tuple[str, ...] = ()
+
+    def __init__(self, hf_config: dict[str, Any], compute_dtype: torch.dtype):
+        super().__init__()
+        self.hf_config = hf_config
+        self.compute_dtype = compute_dtype
+        self.lm_head: Linear
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for the given hidden states."""
+        return self.lm_head(hidden).float()
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Per-token KV shape."""
+        attn = self.attention_layers()
+        return KVCacheSpec(len(attn), attn[0].num_kv_heads, attn[0].head_dim)
+
+    def attention_layers(self) -> list[Attention]:
+        """Attention modules in layer order (the runner binds their cache tensors)."""
+        return [m for m in self.modules() if isinstance(m, Attention)]
+
+    def transform_weight(self, hf_name: str, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """Adapt a checkpoint tensor to our layout (identity by default)."""
+        return tensor
+
+    def tied_parameters(self) -> dict[str, str]:
+        """Our parameter name -> the name it shares storage with (tied embeddings)."""
+        return {}

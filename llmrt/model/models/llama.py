@@ -1,0 +1,164 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from llmrt.model.layers.activation import gated, get_activation
+from llmrt.model.layers.attention import Attention, AttentionMetadata
+from llmrt.model.layers.embedding import Embedding
+from llmrt.model.layers.linear import Linear
+from llmrt.model.layers.norms import RMSNorm
+from llmrt.model.layers.rotary import RotaryEmbedding, rope_parameters
+from llmrt.model.models.base import CausalLM
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """The handful of switches that tell the Llama-family members apart."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+    act: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tied: bool
+    max_positions: int
+    sliding_windows: tuple[Optional[int], ...]
+
+    @classmethod
+    def from_hf(cls, c: dict[str, Any], architecture: str) -> "LlamaArch":
+        """Read an HF config.json of one of the family's architectures."""
+        heads = c["num_attention_heads"]
+        layers = c["num_hidden_layers"]
+        bias = bool(c.get("attention_bias", False))
+        qwen2 = architecture == "Qwen2ForCausalLM"
+        window = c.get("sliding_window")
+        types = c.get("layer_types")
+        if types:
+            windows = tuple(window if t == "sliding_attention" else None for t in types)
+        elif architecture == "MistralForCausalLM" and window:
+            windows = (window,) * layers
+        else:
+            windows = (None,) * layers
+        return cls(
+            hidden=c["hidden_size"], intermediate=c["intermediate_size"], layers=layers, heads=heads,
+            kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            vocab=c["vocab_size"], eps=c.get("rms_norm_eps", 1e-6), act=c.get("hidden_act", "silu"),
+            qkv_bias=bias or qwen2, o_bias=bias and not qwen2, mlp_bias=bool(c.get("mlp_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM", tied=bool(c.get("tie_word_embeddings", False)),
+            max_positions=c.get("max_position_embeddings", 2048), sliding_windows=windows,
+        )
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, optional q/k norm, RoPE, paged attention, output projection."""
+
+    def __init__(self, a: LlamaArch, rotary: RotaryEmbedding, window: Optional[int], dtype: torch.dtype):
+        super().__init__()
+        self.a = a
+        self.q_size, self.kv_size = a.heads * a.head_dim, a.kv_heads * a.head_dim
+        self.qkv_proj = Linear(a.hidden, [self.q_size, self.kv_size, self.kv_size], a.qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, [a.hidden], a.o_bias, dtype)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.eps)
+            self.k_norm = RMSNorm(a.head_dim, a.eps)
+        self.rotary = rotary
+        self.attn = Attention(a.heads, a.kv_heads, a.head_dim, a.head_dim ** -0.5, window)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.a.heads, self.a.head_dim)
+        k = k.view(-1, self.a.kv_heads, self.a.head_dim)
+        v = v.view(-1, self.a.kv_heads, self.a.head_dim)
+        if self.a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta).reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """Gated MLP with gate and up projections fused into one matmul."""
+
+    def __init__(self, a: LlamaArch, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = Linear(a.hidden, [a.intermediate, a.intermediate], a.mlp_bias, dtype)
+        self.down_proj = Linear(a.intermediate, [a.hidden], a.mlp_bias, dtype)
+        self.act = get_activation(a.act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated(self.act, self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with the residual carried alongside."""
+
+    def __init__(self, a: LlamaArch, rotary: RotaryEmbedding, window: Optional[int], dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(a, rotary, window, dtype)
+        self.mlp = LlamaMLP(a, dtype)
+        self.input_layernorm = RMSNorm(a.hidden, a.eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden, a.eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder stack and final norm."""
+
+    def __init__(self, a: LlamaArch, rope: dict[str, Any], dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = Embedding(a.vocab, a.hidden, dtype)
+        rotary = RotaryEmbedding(a.head_dim, a.max_positions, rope)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rotary, a.sliding_windows[i], dtype) for i in range(a.layers))
+        self.norm = RMSNorm(a.hidden, a.eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama, Mistral, Qwen2 and Qwen3 causal LMs (they differ only in LlamaArch switches)."""
+
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    ignored_suffixes = ("rotary_emb.inv_freq",)
+
+    def __init__(self, hf_config: dict[str, Any], compute_dtype: torch.dtype, architecture: str = "LlamaForCausalLM"):
+        super().__init__(hf_config, compute_dtype)
+        self.arch = LlamaArch.from_hf(hf_config, architecture)
+        self.model = LlamaModel(self.arch, rope_parameters(hf_config), compute_dtype)
+        self.lm_head = Linear(self.arch.hidden, [self.arch.vocab], False, compute_dtype)
+        if self.arch.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def tied_parameters(self) -> dict[str, str]:
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.arch.tied else {}
