@@ -1,0 +1,116 @@
+"""The `llmrt` command: generate, bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any, Optional
+
+from llmrt.config import DEFAULT_MODEL_NAME
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags that configure the engine; the same names as LLM(...) keyword arguments."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and KV-cache dtype; auto takes the checkpoint's (default: auto)")
+    g.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto picks cuda when present (default: auto)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
+    g.add_argument("--kv-cache-memory", type=_bytes, default=None,
+                   help="bytes for KV blocks on CPU, e.g. 2GiB (default: 2GiB, capped at what max-num-seqs "
+                        "sequences of max-model-len tokens could use)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory llmrt may use for weights, activations and KV (default: 0.9)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default: 64)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step; long prompts are prefilled in chunks of at most this (default: 2048)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags as LLM(...) keyword arguments."""
+    keys = ("dtype", "device", "max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
+            "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens")
+    return {k: getattr(args, k) for k in keys}
+
+
+def _bytes(text: str) -> int:
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    t = text.strip().lower()
+    for unit, mult in units.items():
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(t)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream a completion (or a chat reply) for one prompt."""
+    from llmrt import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop or None,
+                            repetition_penalty=args.repetition_penalty, ignore_eos=args.ignore_eos)
+    prompt: Any = args.prompt
+    if args.chat:
+        prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        sys.stdout.write(args.prompt)
+    for piece in llm.stream(prompt, params):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line."""
+    parser = argparse.ArgumentParser(prog="llmrt", description="llmrt: an LLM inference runtime you can read and measure")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen.add_argument("model", nargs="?", default=None,
+                     help=f"local HF checkpoint directory (default: the embedded {DEFAULT_MODEL_NAME})")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default: 0.8)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0 = off (default: 0)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens under min-p x the top probability")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style repetition penalty")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    gen.add_argument("--seed", dest="sampling_seed", type=int, default=None,
+                     help="seed of this request's sampling: the same seed gives the same text")
+    add_engine_arguments(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    thr = bench_sub.add_parser("throughput", help="offline throughput vs HF transformers generate, one run")
+    from llmrt.bench import throughput
+
+    throughput.add_arguments(thr)
+    thr.set_defaults(func=lambda a: (throughput.run(a), 0)[1])
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the `llmrt` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from llmrt.errors import LLMRTError
+
+    try:
+        return int(args.func(args) or 0)
+    except LLMRTError as e:
+        print(f"error ({e.code}): {e.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
