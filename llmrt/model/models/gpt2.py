@@ -44,7 +44,7 @@ class GPT2Block(nn.Module):
 class GPT2LMHeadModel(CausalLM):
     """GPT-2 with a tied LM head."""
 
-    ignored_suffixes = ("attn.bias", "attn.masked_bias")
+    ignored_suffixes = (".attn.bias", ".attn.masked_bias")
 
     def __init__(self, hf_config: dict[str, Any], compute_dtype: torch.dtype, architecture: str = "GPT2LMHeadModel"):
         super().__init__(hf_config, compute_dtype)
