@@ -71,6 +71,10 @@ class EngineCore:
         if bad:
             raise InvalidRequestError(
                 f"token id {bad[0]!r} is out of the vocabulary [0, {self.vocab_size})", param="prompt")
+        bias_ids = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bias_ids:
+            raise InvalidRequestError(
+                f"logit_bias token id {bias_ids[0]} is out of the vocabulary [0, {self.vocab_size})", param="logit_bias")
         n_prompt, limit = len(prompt), self.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
         if n_prompt + max(max_tokens, 1) > limit:
