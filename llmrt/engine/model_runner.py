@@ -11,7 +11,7 @@ import torch
 from llmrt.config import EngineConfig
 from llmrt.errors import OutOfMemoryError
 from llmrt.engine.scheduler import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
-from llmrt.hardware import device_memory_free_total, measure_peak_memory
+from llmrt.hardware import device_memory_free_total, measure_peak_memory, tune_cpu_allocator
 from llmrt.model.layers.attention import AttentionMetadata, PrefillSpan
 from llmrt.model.layers.sampler import Sampler, SamplingMetadata
 from llmrt.model.loader import load_model
@@ -66,6 +66,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            tune_cpu_allocator()
         torch.manual_seed(config.model.seed)
         start = time.perf_counter()
         self.model = load_model(config.model, self.device)
