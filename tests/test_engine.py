@@ -207,3 +207,11 @@ def test_unknown_architecture_is_unsupported(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedError, match="LlamaForCausalLM"):
         LLM(str(tmp_path / "m"))
+
+
+def test_more_samples_than_batch_slots_is_refused(checkpoints):
+    llm = LLM(str(checkpoints["llama3"]), dtype="float32", max_num_seqs=2)
+    with pytest.raises(InvalidRequestError) as exc:
+        llm.generate([[5, 6, 7]], SamplingParams(n=3, max_tokens=4))
+    assert exc.value.param == "n"
+    assert _all_blocks_free(llm)

@@ -71,6 +71,10 @@ class EngineCore:
         if bad:
             raise InvalidRequestError(
                 f"token id {bad[0]!r} is out of the vocabulary [0, {self.vocab_size})", param="prompt")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={params.n} samples cannot run together with max_num_seqs={self.config.scheduler.max_num_seqs}",
+                param="n")
         bias_ids = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
         if bias_ids:
             raise InvalidRequestError(

@@ -41,6 +41,8 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = _progress(len(ids), use_tqdm)
         while len(finished) < len(ids):
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError("the engine went idle with requests unfinished")  # a bug, never a hang
             for state in self._step():
                 if state.finished:
                     finished[state.request_id] = state.to_output()
@@ -64,6 +66,8 @@ class LLM:
         (request_id,) = self._submit([prompt], self._params_list(sampling_params, 1))
         sent = 0
         while True:
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError("the engine went idle with the request unfinished")  # a bug, never a hang
             for state in self._step():
                 if state.request_id != request_id:
                     continue

@@ -13,7 +13,8 @@ from tqdm import tqdm
 
 from llmrt.config import ModelConfig
 from llmrt.errors import ModelLoadError
-from llmrt.hardware import compute_dtype
+from llmrt.hardware import compute_dtype, native_half_max_rows
+from llmrt.model.layers.linear import Linear
 from llmrt.model.models.base import CausalLM
 from llmrt.model.models.registry import resolve_architecture
 
@@ -56,6 +57,10 @@ def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
             model = cls(model_cfg.hf_config, compute_dtype(device, dtype), arch)
     except KeyError as e:
         raise ModelLoadError(f"config.json of {model_cfg.model} lacks the field {e.args[0]!r} that {arch} needs")
+    native_rows = native_half_max_rows(device, dtype)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.native_max_rows = native_rows
     load_weights(model, Path(model_cfg.model))
     return model.eval()
 

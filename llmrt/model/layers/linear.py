@@ -37,7 +37,7 @@ class Linear(nn.Module):
     """y = x W^T + b, where W may be several HF projections stacked along the output dim."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 compute_dtype: Optional[torch.dtype] = None):
+                 compute_dtype: Optional[torch.dtype] = None, native_max_rows: int = 0):
         super().__init__()
         self.in_features = in_features
         self.output_sizes = list(output_sizes)
@@ -45,6 +45,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
         self.compute_dtype = compute_dtype
+        self.native_max_rows = native_max_rows  # see hardware.native_half_max_rows
 
     def shard_slice(self, shard: int) -> slice:
         """Rows of the fused weight that belong to HF projection number `shard`."""
@@ -54,6 +55,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
         if self.compute_dtype is not None and w.dtype != self.compute_dtype:
+            if x.shape[0] <= self.native_max_rows:
+                return F.linear(x.to(w.dtype), w, b).to(self.compute_dtype)
             w = UPCAST.cast(w, self.compute_dtype)
             b = b.to(self.compute_dtype) if b is not None else None
         return F.linear(x, w, b)
