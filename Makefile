@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/llmrt generate --prompt "Once upon a time" --max-tokens 120
+	$(VENV)/bin/llmrt generate --prompt "Once upon a time" --max-tokens 120 --temperature 0
 	@echo
 	@echo "Next: $(VENV)/bin/llmrt generate --help   (or: from llmrt import LLM; LLM().generate(...))"
 
