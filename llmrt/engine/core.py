@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 import logging
 import time
 from pathlib import Path
@@ -53,45 +54,31 @@ class EngineCore:
         self.eos_token_ids = model_eos_token_ids(config)
         self.vocab_size = self.runner.vocab_size
         self.num_steps = 0
+        self.last_step_tokens = 0
+        self.inject_oom_steps = 0  # fault injection: fail this many next steps with out-of-memory
 
     @property
     def max_model_len(self) -> int:
         """Longest prompt + output this engine accepts."""
         return int(self.config.model.max_model_len)
 
+    def limits(self) -> "EngineLimits":
+        """What a request must fit in; the front end checks the same numbers before sending."""
+        return EngineLimits(self.vocab_size, self.max_model_len, self.block_manager.num_blocks,
+                            self.block_manager.block_size, self.config.scheduler.max_num_seqs, self.eos_token_ids)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: Optional[float] = None, priority: int = 0) -> None:
-        """Validate and queue a request; raises an LLMRTError and changes nothing if it is bad."""
+                    arrival_time: Optional[float] = None, priority: int = 0,
+                    deadline: Optional[float] = None) -> None:
+        """Validate and queue a request; raises an LLMRTError and changes nothing if it is bad.
+
+        `deadline` is a time.monotonic() instant: a request not finished by then is dropped (queued ones
+        before any compute).
+        """
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prompt = list(prompt_token_ids)
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
-        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]!r} is out of the vocabulary [0, {self.vocab_size})", param="prompt")
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise InvalidRequestError(
-                f"n={params.n} samples cannot run together with max_num_seqs={self.config.scheduler.max_num_seqs}",
-                param="n")
-        bias_ids = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
-        if bias_ids:
-            raise InvalidRequestError(
-                f"logit_bias token id {bias_ids[0]} is out of the vocabulary [0, {self.vocab_size})", param="logit_bias")
-        n_prompt, limit = len(prompt), self.max_model_len
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
-        if n_prompt + max(max_tokens, 1) > limit:
-            raise ContextLengthExceededError(
-                f"this model's maximum context length is {limit} tokens, but {n_prompt + max_tokens} were "
-                f"requested ({n_prompt} in the prompt, {max_tokens} for the completion); shorten the prompt "
-                "or lower max_tokens", param="max_tokens" if params.max_tokens is not None else "prompt")
-        need = self.block_manager.blocks_for(n_prompt + max_tokens)
-        if need > self.block_manager.num_blocks:
-            raise ContextLengthExceededError(
-                f"{n_prompt} prompt + {max_tokens} completion tokens need {need} KV blocks of "
-                f"{self.block_manager.block_size} tokens, but the whole cache holds {self.block_manager.num_blocks}",
-                param="max_tokens")
+        max_tokens = validate_request(prompt, params, self.limits())
         params = dataclasses.replace(params)
         params.eos_token_ids = list(self.eos_token_ids)
         gens: list[Optional[torch.Generator]] = []
@@ -100,7 +87,8 @@ class EngineCore:
                 g = torch.Generator(device=self.runner.device)
                 g.manual_seed(_sample_seed(params.seed, i))
                 gens.append(g)
-        request = Request(request_id, prompt, params, arrival_time or time.monotonic(), max_tokens, priority, gens)
+        request = Request(request_id, prompt, params, arrival_time or time.monotonic(), max_tokens, priority, gens,
+                          deadline=deadline)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> list[EngineCoreOutput]:
@@ -117,9 +105,83 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute and update once; returns the new tokens and finishes of this step."""
+        expired = self.scheduler.drop_expired(time.monotonic())
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
-        result = self.runner.execute(sched)
+            return expired
+        try:
+            if self.inject_oom_steps > 0:
+                self.inject_oom_steps -= 1
+                raise torch.OutOfMemoryError("injected out-of-memory fault")
+            result = self.runner.execute(sched)
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            # Absorb: shrink the batch by preempting (recompute later) and retry on the next step; only a
+            # sequence that fails alone gets an out_of_memory error.
+            logger.warning("out of memory in a step of %d sequences: %s", len(sched.scheduled), e)
+            return expired + self.scheduler.shrink_after_oom(sched)
         self.num_steps += 1
-        return self.scheduler.update(sched, result)
+        self.last_step_tokens = sched.num_batched_tokens
+        return expired + self.scheduler.update(sched, result)
+
+    def stats(self) -> "EngineStats":
+        """Queue and cache figures after the latest step."""
+        sch, bm = self.scheduler, self.block_manager
+        waiting_tokens = sum(s.num_tokens - s.num_computed_tokens for s in sch.waiting)
+        return EngineStats(len(sch.running), sch.num_waiting, waiting_tokens, bm.num_blocks, bm.num_free_blocks,
+                           self.num_steps, self.last_step_tokens, sch.num_preemptions_total)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine core for admission control, health and debugging."""
+
+    num_running: int
+    num_waiting: int
+    waiting_tokens: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_steps: int
+    last_step_tokens: int
+    num_preemptions: int
+
+
+@dataclass
+class EngineLimits:
+    """The numbers a request is checked against."""
+
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    eos_token_ids: list[int]
+
+
+def validate_request(prompt: list[int], params: SamplingParams, limits: EngineLimits) -> int:
+    """Check a tokenized request against the engine's limits; return its resolved max_tokens."""
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
+    vocab = limits.vocab_size
+    bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"token id {bad[0]!r} is out of the vocabulary [0, {vocab})", param="prompt")
+    if params.n > limits.max_num_seqs:
+        raise InvalidRequestError(
+            f"n={params.n} samples cannot run together with max_num_seqs={limits.max_num_seqs}", param="n")
+    bias_ids = [t for t in (params.logit_bias or {}) if t >= vocab]
+    if bias_ids:
+        raise InvalidRequestError(f"logit_bias token id {bias_ids[0]} is out of the vocabulary [0, {vocab})",
+                                  param="logit_bias")
+    n_prompt, limit = len(prompt), limits.max_model_len
+    max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
+    if n_prompt + max(max_tokens, 1) > limit:
+        raise ContextLengthExceededError(
+            f"this model's maximum context length is {limit} tokens, but {n_prompt + max_tokens} were "
+            f"requested ({n_prompt} in the prompt, {max_tokens} for the completion); shorten the prompt "
+            "or lower max_tokens", param="max_tokens" if params.max_tokens is not None else "prompt")
+    need = -(-(n_prompt + max_tokens) // limits.block_size)
+    if need > limits.num_blocks:
+        raise ContextLengthExceededError(
+            f"{n_prompt} prompt + {max_tokens} completion tokens need {need} KV blocks of {limits.block_size} "
+            f"tokens, but the whole cache holds {limits.num_blocks}", param="max_tokens")
+    return max_tokens

@@ -34,6 +34,7 @@ class Request:
     forked: bool = False  # whether samples 1..n-1 exist yet
     first_scheduled_time: Optional[float] = None
     num_preemptions: int = 0
+    deadline: Optional[float] = None  # time.monotonic() instant after which the request is dropped
 
     @property
     def num_prompt_tokens(self) -> int:

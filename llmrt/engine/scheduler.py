@@ -52,8 +52,8 @@ class EngineCoreOutput:
     index: int
     new_token_ids: list[int]
     new_logprobs: Optional[list[dict[int, float]]] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[int] = None
+    finish_reason: Optional[str] = None  # stop | length | abort | deadline | error
+    stop_reason: Optional[object] = None  # the stop token id; for 'error', the error code
     first_scheduled_time: Optional[float] = None
     num_preemptions: int = 0
     timestamp: float = field(default_factory=time.monotonic)
@@ -99,6 +99,26 @@ class Scheduler:
                 self._finish(s, reason)
         if request.is_finished():
             self.requests.pop(request_id, None)
+
+    def drop_expired(self, now: float) -> list[EngineCoreOutput]:
+        """Finish every request whose deadline has passed with reason 'deadline' (queued ones cost no compute)."""
+        outs: list[EngineCoreOutput] = []
+        for request_id in [r for r, req in self.requests.items() if req.deadline is not None and req.deadline <= now]:
+            req = self.requests.pop(request_id)
+            outs += [self._finish(s, "deadline") for s in req.sequences if not s.is_finished]
+        return outs
+
+    def shrink_after_oom(self, failed: SchedulerOutput) -> list[EngineCoreOutput]:
+        """A step ran out of memory: preempt the newest half of the batch, or fail a sequence that ran alone."""
+        if len(self.running) > 1:
+            for _ in range(len(self.running) // 2):
+                self._preempt(self.waiting.choose_victim(self.running))
+            return []
+        outs = []
+        for seq in list(self.running):
+            outs.append(self._finish(seq, "error", "out_of_memory"))
+            self.requests.pop(seq.request.request_id, None)
+        return outs
 
     def has_unfinished(self) -> bool:
         """True while any sequence waits or runs."""
@@ -230,7 +250,7 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.add_preempted(seq)
 
-    def _finish(self, seq: Sequence, reason: str, stop: Optional[int] = None) -> EngineCoreOutput:
+    def _finish(self, seq: Sequence, reason: str, stop: Optional[object] = None) -> EngineCoreOutput:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):

@@ -1,0 +1,260 @@
+"""AsyncLLM: the asyncio front of an engine core running in its own process."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+from dataclasses import asdict
+from typing import Any, AsyncIterator, Optional, Union
+
+from llmrt.config import EngineConfig
+from llmrt.engine.admission import AdmissionController
+from llmrt.engine.core import EngineLimits, EngineStats, validate_request
+from llmrt.engine.core_process import run_engine_core
+from llmrt.engine.output_processor import OutputProcessor
+from llmrt.engine.scheduler import EngineCoreOutput
+from llmrt.errors import (CancelledError, DeadlineExceededError, EngineDeadError, InvalidRequestError, LLMRTError,
+                          OutOfMemoryError, UnsupportedError)
+from llmrt.outputs import RequestOutput
+from llmrt.sampling_params import SamplingParams
+from llmrt.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+FAULT_KINDS = ("stall", "crash", "oom")
+
+
+class _Stream:
+    """The latest cumulative output of one request, and a flag that a newer one (or an error) is there."""
+
+    def __init__(self) -> None:
+        self.latest: Union[None, RequestOutput, Exception] = None
+        self.event = asyncio.Event()
+
+    def put(self, item: Union[RequestOutput, Exception]) -> None:
+        if not isinstance(self.latest, Exception):  # an error is final
+            self.latest = item
+        self.event.set()
+
+
+class AsyncLLM:
+    """Submit requests and stream their outputs with asyncio; the engine core steps in a child process."""
+
+    def __init__(self, config: EngineConfig, *, tokenizer: Optional[str] = None, chat_template: Optional[str] = None,
+                 max_waiting_requests: Optional[int] = None, max_queue_delay_ms: Optional[float] = None,
+                 health_step_timeout: float = 30.0, default_timeout: Optional[float] = None,
+                 enable_fault_injection: bool = False):
+        self.config = config
+        self.tokenizer: Tokenizer = load_tokenizer(tokenizer or config.model.model, chat_template)
+        self.model_name = str(config.model.served_model_name)
+        self.max_model_len = int(config.model.max_model_len)
+        self.health_step_timeout = health_step_timeout
+        self.default_timeout = default_timeout
+        self.enable_fault_injection = enable_fault_injection
+        self.admission = AdmissionController(max_waiting_requests, max_queue_delay_ms)
+        self.processor = OutputProcessor(self.tokenizer)
+        self.limits: Optional[EngineLimits] = None
+        self.memory: Any = None
+        self._streams: dict[str, _Stream] = {}
+        self._stats: Optional[EngineStats] = None
+        self._dead: Optional[EngineDeadError] = None
+        self._last_progress = time.monotonic()
+        self._proc: Any = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._stopping = threading.Event()
+
+    # -- life cycle ------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the engine-core process and wait until its model is loaded and its KV cache sized."""
+        ctx = mp.get_context("spawn")
+        self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+        self._proc = ctx.Process(target=run_engine_core, name="llmrt-engine-core", daemon=True,
+                                 args=(self.config, self._inbox, self._outbox, logging.getLogger().getEffectiveLevel()))
+        self._proc.start()
+        self._loop = asyncio.get_running_loop()
+        msg = await self._loop.run_in_executor(None, self._wait_ready)
+        if msg[0] == "failed":
+            raise msg[1]
+        _, self.limits, self.memory = msg
+        threading.Thread(target=self._read_outputs, name="llmrt-output-reader", daemon=True).start()
+
+    def _wait_ready(self) -> tuple:
+        while True:
+            try:
+                return self._outbox.get(timeout=0.5)
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    return ("failed", EngineDeadError(f"engine core exited during start-up (code {self._proc.exitcode})"))
+
+    async def shutdown(self) -> None:
+        """Stop the engine-core process."""
+        if self._proc is None:
+            return
+        self._stopping.set()
+        if self._proc.is_alive():
+            self._inbox.put(("shutdown",))
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 5.0)
+            if self._proc.is_alive():
+                self._proc.kill()
+        self._dead = self._dead or EngineDeadError("the engine was shut down")
+
+    # -- requests --------------------------------------------------------------------------------------
+    async def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str, *,
+                       priority: int = 0, timeout: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative output after each step that changed it, until it finishes."""
+        if self._dead is not None:
+            raise self._dead
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        text, ids = self._tokenize(prompt)
+        validate_request(ids, params, self.limits)
+        self.admission.admit(self._stats, len(ids))
+        timeout = timeout if timeout is not None else self.default_timeout
+        if timeout is not None and timeout <= 0:
+            raise InvalidRequestError("timeout must be positive", param="timeout")
+        arrival = time.monotonic()
+        deadline = arrival + timeout if timeout is not None else None
+        stream = _Stream()
+        if not self._streams:
+            self._last_progress = arrival  # idle until now is not a hang
+        self._streams[request_id] = stream
+        self.processor.add_request(request_id, text, ids, params, arrival)
+        self._inbox.put(("add", request_id, ids, params, arrival, priority, deadline))
+        self.admission.submitted(len(ids))
+        finished = False
+        try:
+            while True:
+                await stream.event.wait()
+                stream.event.clear()
+                item = stream.latest
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the consumer went away: free the request's blocks
+                self.processor.abort(request_id)
+                if self._dead is None:
+                    self._inbox.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with CancelledError."""
+        if self._dead is None:
+            self._inbox.put(("abort", request_id))
+        self.processor.abort(request_id)
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(CancelledError(f"request {request_id} was aborted"))
+
+    def _tokenize(self, prompt: Union[str, list[int]]) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    # -- health and stats ------------------------------------------------------------------------------
+    def health(self) -> tuple[bool, str]:
+        """(healthy, reason): alive, and stepping when there is work."""
+        if self._dead is not None:
+            return False, self._dead.message
+        if self._proc is None or not self._proc.is_alive():
+            return False, "the engine core process is not running"
+        idle_for = time.monotonic() - self._last_progress
+        if self._streams and idle_for > self.health_step_timeout:
+            return False, (f"no engine step completed for {idle_for:.1f} s while {len(self._streams)} requests "
+                           f"are pending (health step timeout {self.health_step_timeout} s)")
+        return True, "ok"
+
+    def stats(self) -> dict[str, Any]:
+        """The latest engine figures, for debugging and tests."""
+        out: dict[str, Any] = asdict(self._stats) if self._stats else {}
+        if self._stats:
+            out["kv_usage"] = 1.0 - self._stats.kv_blocks_free / max(self._stats.kv_blocks_total, 1)
+        out["engine_pid"] = self._proc.pid if self._proc else None
+        out["num_streams"] = len(self._streams)
+        out["drain_tokens_per_s"] = self.admission.drain_tokens_per_s
+        return out
+
+    async def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
+        """Test hook: stall the next step, crash the core, or fail the next step with out-of-memory."""
+        if not self.enable_fault_injection:
+            raise UnsupportedError("fault injection is off (start the server with --enable-debug-endpoints)")
+        if kind not in FAULT_KINDS:
+            raise InvalidRequestError(f"fault kind must be one of {', '.join(FAULT_KINDS)}", param="kind")
+        self._inbox.put(("fault", kind, float(seconds)))
+
+    # -- the output side (reader thread -> event loop) -------------------------------------------------
+    def _read_outputs(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                msg = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    self._deliver(self._on_dead, self._proc.exitcode)
+                    return
+                continue
+            except (EOFError, OSError):
+                self._deliver(self._on_dead, self._proc.exitcode)
+                return
+            self._deliver(self._on_message, msg)
+
+    def _deliver(self, fn: Any, arg: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self._stopping.set()
+
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "reject":
+            _, request_id, error = msg
+            self.processor.abort(request_id, error)
+            if request_id in self._streams:
+                self._streams[request_id].put(error)
+            return
+        if kind != "step":
+            return
+        _, outputs, stats, core_time = msg
+        self._stats = stats
+        self._last_progress = time.monotonic()
+        self.admission.observe_step(stats, core_time)
+        normal: list[EngineCoreOutput] = []
+        for out in outputs:
+            error = _finish_error(out)
+            if error is None:
+                normal.append(out)
+                continue
+            self.processor.abort(out.request_id, error)
+            if out.request_id in self._streams:
+                self._streams[out.request_id].put(error)
+        states, to_stop = self.processor.process(normal)
+        for request_id, index in to_stop:
+            self._inbox.put(("finish", request_id, index))
+        for state in states:
+            stream = self._streams.get(state.request_id)
+            if stream is not None:
+                stream.put(state.to_output())
+
+    def _on_dead(self, exitcode: Optional[int]) -> None:
+        if self._dead is not None:
+            return
+        self._dead = EngineDeadError(f"the engine core process died (exit code {exitcode}); retry on another instance")
+        logger.error("engine core died with exit code %s; failing %d in-flight requests", exitcode, len(self._streams))
+        for stream in list(self._streams.values()):
+            stream.put(self._dead)
+
+
+def _finish_error(out: EngineCoreOutput) -> Optional[LLMRTError]:
+    if out.finish_reason == "deadline":
+        return DeadlineExceededError("the request's timeout passed before it finished; nothing it generated is kept")
+    if out.finish_reason == "error":
+        return OutOfMemoryError("the device ran out of memory even with this request running alone")
+    return None
