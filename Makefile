@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/llmrt generate --prompt "Once upon a time" --max-tokens 120 --temperature 0
+	$(VENV)/bin/llmrt generate --prompt "Once upon a time" --max-tokens 60 --temperature 0
 	@echo
-	@echo "Next: $(VENV)/bin/llmrt generate --help   (or: from llmrt import LLM; LLM().generate(...))"
+	@echo "Serving the embedded model (Ctrl-C stops it); the line below says how to call it."
+	$(VENV)/bin/llmrt serve --port $${PORT:-8000}
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra

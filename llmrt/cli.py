@@ -1,4 +1,4 @@
-"""The `llmrt` command: generate, bench."""
+"""The `llmrt` command: generate, serve, bench."""
 from __future__ import annotations
 
 import argparse
@@ -88,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seed of this request's sampling: the same seed gives the same text")
     add_engine_arguments(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                           description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                                       "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version).")
+    serve.add_argument("model", nargs="?", default=None,
+                       help=f"local HF checkpoint directory (default: the embedded {DEFAULT_MODEL_NAME})")
+    from llmrt.server.launch import add_serve_arguments, run_server
+
+    add_serve_arguments(serve)
+    add_engine_arguments(serve)
+    serve.set_defaults(func=run_server)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

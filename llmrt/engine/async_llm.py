@@ -175,9 +175,13 @@ class AsyncLLM:
 
     def stats(self) -> dict[str, Any]:
         """The latest engine figures, for debugging and tests."""
-        out: dict[str, Any] = asdict(self._stats) if self._stats else {}
-        if self._stats:
-            out["kv_usage"] = 1.0 - self._stats.kv_blocks_free / max(self._stats.kv_blocks_total, 1)
+        if self._stats is not None:
+            out: dict[str, Any] = asdict(self._stats)
+        else:  # before the first step: an idle engine with every block free
+            total = self.limits.num_blocks if self.limits else 0
+            out = {"num_running": 0, "num_waiting": 0, "waiting_tokens": 0, "kv_blocks_total": total,
+                   "kv_blocks_free": total, "num_steps": 0, "last_step_tokens": 0, "num_preemptions": 0}
+        out["kv_usage"] = 1.0 - out["kv_blocks_free"] / max(out["kv_blocks_total"], 1)
         out["engine_pid"] = self._proc.pid if self._proc else None
         out["num_streams"] = len(self._streams)
         out["drain_tokens_per_s"] = self.admission.drain_tokens_per_s

@@ -175,10 +175,11 @@ def validate_request(prompt: list[int], params: SamplingParams, limits: EngineLi
     n_prompt, limit = len(prompt), limits.max_model_len
     max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
     if n_prompt + max(max_tokens, 1) > limit:
+        too_long_prompt = n_prompt >= limit or params.max_tokens is None
         raise ContextLengthExceededError(
             f"this model's maximum context length is {limit} tokens, but {n_prompt + max_tokens} were "
             f"requested ({n_prompt} in the prompt, {max_tokens} for the completion); shorten the prompt "
-            "or lower max_tokens", param="max_tokens" if params.max_tokens is not None else "prompt")
+            "or lower max_tokens", param="prompt" if too_long_prompt else "max_tokens")
     need = -(-(n_prompt + max_tokens) // limits.block_size)
     if need > limits.num_blocks:
         raise ContextLengthExceededError(

@@ -1,0 +1,151 @@
+"""The FastAPI app: OpenAI routes, tokenizer routes, health, version and (opt-in) debug routes."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+
+import llmrt
+from llmrt.errors import InvalidRequestError
+from llmrt.server import protocol as P
+from llmrt.server import serving
+from llmrt.server.errors import install_exception_handlers
+from llmrt.server.middleware import MAX_BODY_BYTES, ServerMiddleware
+from llmrt.server.serving import ServerState
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": P.ErrorResponse, "description": "invalid_request, context_length_exceeded or unsupported"},
+    404: {"model": P.ErrorResponse, "description": "model_not_found"},
+    408: {"model": P.ErrorResponse, "description": "deadline_exceeded: the request's timeout passed"},
+    429: {"model": P.ErrorResponse, "description": "capacity_exceeded, with a Retry-After header (seconds)"},
+    500: {"model": P.ErrorResponse, "description": "internal_error"},
+    503: {"model": P.ErrorResponse, "description": "engine_dead or out_of_memory: retry on another instance"},
+}
+
+
+def _streamed(chunk: type) -> dict[int | str, dict[str, Any]]:
+    return {200: {"description": f"JSON; with `stream: true`, server-sent events `data: <{chunk.__name__}>` "
+                                 "ending with `data: [DONE]` (a failure mid-stream is one `data: <StreamErrorEvent>`)",
+                  "content": {"text/event-stream": {"schema": {"$ref": f"#/components/schemas/{chunk.__name__}"}}}},
+            **_ERRORS}
+
+
+def build_app(engine: Any, args: Any = None) -> FastAPI:
+    """The server's app around a started engine (AsyncLLM). `args`: the serve flags (any may be missing)."""
+    served = getattr(args, "served_model_name", None) or engine.model_name
+    aliases = {engine.model_name, str(getattr(args, "model", None) or engine.model_name)} - {served}
+    state = ServerState(engine=engine, model_name=served, aliases=frozenset(aliases),
+                        debug=bool(getattr(args, "enable_debug_endpoints", False)),
+                        default_timeout=getattr(args, "request_timeout", None))
+    app = FastAPI(title="llmrt", version=llmrt.__version__,
+                  description="OpenAI-compatible API of llmrt. Every error body is "
+                              "`{\"error\": {message, type, param, code}, \"retryable\": bool}`.")
+    app.state.llmrt = state
+    install_exception_handlers(app)
+    app.add_middleware(ServerMiddleware, max_body_bytes=getattr(args, "max_body_bytes", None) or MAX_BODY_BYTES,
+                       access_log=not getattr(args, "disable_access_log", False))
+
+    @app.post("/v1/completions", response_model=P.CompletionResponse, responses=_streamed(P.CompletionStreamResponse),
+              summary="Text completion (OpenAI legacy completions)")
+    async def completions(req: P.CompletionRequest, request: Request) -> Any:
+        return await serving.create_completion(state, req, request)
+
+    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse,
+              responses=_streamed(P.ChatCompletionStreamResponse), summary="Chat completion")
+    async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Any:
+        return await serving.create_chat_completion(state, req, request)
+
+    @app.get("/v1/models", response_model=P.ModelList, summary="The served model")
+    async def models() -> P.ModelList:
+        return P.ModelList(data=[P.ModelCard(id=state.model_name, created=state.created,
+                                             root=str(getattr(args, "model", None) or engine.model_name),
+                                             max_model_len=engine.max_model_len)])
+
+    @app.post("/tokenize", response_model=P.TokenizeResponse, responses=_ERRORS,
+              summary="Token ids of a prompt, or of messages rendered with the chat template")
+    async def tokenize(req: P.TokenizeRequest) -> P.TokenizeResponse:
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+        if req.prompt is not None:
+            tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        else:
+            assert req.messages is not None
+            if not req.messages:
+                raise InvalidRequestError("messages: must not be empty", param="messages")
+            tokens = engine.tokenizer.apply_chat_template(serving.chat_messages(req.messages),
+                                                          req.add_generation_prompt is not False)
+        return P.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
+
+    @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=_ERRORS, summary="Text of token ids")
+    async def detokenize(req: P.DetokenizeRequest) -> P.DetokenizeResponse:
+        state.check_model(req.model)
+        vocab = engine.tokenizer.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"tokens: token id {bad[0]} is out of the vocabulary [0, {vocab})",
+                                      param="tokens")
+        return P.DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
+
+    @app.get("/health", response_model=P.HealthResponse, response_model_exclude_none=True,
+             responses={503: {"model": P.HealthResponse, "description": "the engine is dead or not stepping"}},
+             summary="200 while the engine can serve")
+    async def health() -> Any:
+        healthy, reason = engine.health()
+        if healthy:
+            return P.HealthResponse(status="ok")
+        return JSONResponse(P.HealthResponse(status="unhealthy", reason=reason).model_dump(), status_code=503,
+                            headers={"Cache-Control": "no-store"})
+
+    @app.get("/version", response_model=P.VersionResponse, summary="The llmrt version")
+    async def version() -> P.VersionResponse:
+        return P.VersionResponse(version=llmrt.__version__)
+
+    if state.debug:
+        @app.get("/debug/stats", summary="Engine figures (debug endpoints only)")
+        async def debug_stats() -> dict[str, Any]:
+            return dict(engine.stats())
+
+        @app.post("/debug/fault", response_model=P.FaultResponse, responses=_ERRORS,
+                  summary="Inject a fault into the engine (debug endpoints only)")
+        async def debug_fault(req: P.FaultRequest) -> P.FaultResponse:
+            seconds = float(req.seconds or 0.0)
+            if not 0.0 <= seconds <= 3600.0:
+                raise InvalidRequestError(f"seconds: must be in [0, 3600], got {seconds}", param="seconds")
+            await engine.inject_fault(req.kind, seconds)
+            return P.FaultResponse(kind=req.kind, seconds=seconds)
+
+    _document_stream_chunks(app)
+    return app
+
+
+def _document_stream_chunks(app: FastAPI) -> None:
+    """Put the stream chunk models into the schema's components (the routes' event-stream responses use them)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        # FastAPI documents a 422 for every body; this server answers validation errors with 400 instead.
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for model in P.STREAM_MODELS:
+            model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+            for name, sub in model_schema.pop("$defs", {}).items():
+                components.setdefault(name, sub)
+            components.setdefault(model.__name__, model_schema)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def server_state(app: FastAPI) -> Optional[ServerState]:
+    """The ServerState of an app made by build_app."""
+    return getattr(app.state, "llmrt", None)

@@ -1,0 +1,148 @@
+"""`llmrt serve`: start the engine, then serve the app with uvicorn until SIGINT/SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+from typing import Any, Iterator
+
+logger = logging.getLogger("llmrt.server")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The server's own flags (the engine's come from llmrt.cli.add_engine_arguments)."""
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000,
+                   help="port to listen on; 0 picks a free one, which the start-up line names (default: 8000)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients pass and /v1/models lists (default: the checkpoint directory's "
+                        "name; stories260K for the embedded model)")
+    g.add_argument("--tokenizer", default=None, help="a tokenizer directory other than the model's")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) instead of the model's")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="refuse new requests with 429 + Retry-After while this many wait (default: unbounded)")
+    g.add_argument("--max-queue-delay-ms", type=float, default=None,
+                   help="refuse new requests with 429 + Retry-After when the queue would delay them longer than "
+                        "this, judged from the engine's recent drain rate (default: no limit)")
+    g.add_argument("--health-step-timeout", type=float, default=30.0,
+                   help="/health turns 503 when no engine step completes for this many seconds while requests "
+                        "are pending (default: 30)")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take unless it sets its own `timeout`; past it: 408 "
+                        "deadline_exceeded (default: none)")
+    g.add_argument("--enable-debug-endpoints", action="store_true",
+                   help="serve GET /debug/stats and POST /debug/fault (fault injection: stall, crash, oom); "
+                        "for tests, never in production")
+    g.add_argument("--disable-access-log", action="store_true",
+                   help="do not write the JSON access-log line per request (logger llmrt.access, to stderr)")
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Start the engine and serve until interrupted; 0 on a clean stop."""
+    _setup_access_log(args)
+    try:
+        return asyncio.run(_serve(args))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from llmrt.cli import engine_kwargs
+    from llmrt.config import EngineConfig
+    from llmrt.engine.async_llm import AsyncLLM
+    from llmrt.server.app import build_app
+
+    # Bind first: a port in use is said at once, before seconds of model loading.
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    engine = None
+    try:
+        config = EngineConfig.create(args.model, served_model_name=args.served_model_name, **engine_kwargs(args))
+        engine = AsyncLLM(config, tokenizer=args.tokenizer, chat_template=args.chat_template,
+                          max_waiting_requests=args.max_waiting_requests, max_queue_delay_ms=args.max_queue_delay_ms,
+                          health_step_timeout=args.health_step_timeout, default_timeout=args.request_timeout,
+                          enable_fault_injection=args.enable_debug_endpoints)
+        await engine.start()
+        app = build_app(engine, args)
+        server = _uvicorn_server(uvicorn.Config(app, access_log=False, log_config=None, lifespan="off",
+                                                timeout_graceful_shutdown=5,
+                                                log_level=logging.getLogger().getEffectiveLevel()))
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            _print_banner(args, engine, sock.getsockname()[1])
+        await task
+        return 0
+    finally:
+        sock.close()
+        if engine is not None:
+            await engine.shutdown()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _uvicorn_server(config: Any) -> Any:
+    """A uvicorn.Server that stops on SIGINT/SIGTERM without re-raising the signal afterwards (so that the
+    engine is shut down and the exit code is 0)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
+def _print_banner(args: argparse.Namespace, engine: Any, port: int) -> None:
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    name = args.served_model_name or engine.model_name
+    body = json.dumps({"model": name, "prompt": "Once upon a time", "max_tokens": 32})
+    print(f"llmrt serve: {name} (max_model_len {engine.max_model_len}) on {base}\n"
+          f"  OpenAI API at {base}/v1 (any api key), docs at {base}/docs\n"
+          f"  try: curl {base}/v1/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
+
+
+def _setup_access_log(args: argparse.Namespace) -> None:
+    access = logging.getLogger("llmrt.access")
+    if getattr(args, "disable_access_log", False):
+        access.disabled = True
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False

@@ -1,0 +1,301 @@
+"""The OpenAI protocol as pydantic models: request bodies, responses, stream chunks and the error body.
+
+Request models are strict (no "5" for 5, no true for 1) and ignore fields they do not know, as OpenAI's own
+clients send a few this server has no use for. Ranges are checked once, by `SamplingParams`, which names the
+bad field; the descriptions here say what it accepts.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- errors -----------------------------------------------------------------------------------------------
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: str
+
+
+class ErrorResponse(_Response):
+    """Every failure: OpenAI's error object plus whether retrying the same request can succeed."""
+
+    error: ErrorInfo
+    retryable: bool
+
+
+# -- shared request parts -----------------------------------------------------------------------------------
+class StreamOptions(_Request):
+    include_usage: Optional[bool] = Field(False, description="add a last chunk (with empty choices) carrying usage")
+
+
+class _SamplingFields(_Request):
+    """Fields both completion endpoints share; names and meanings as OpenAI's, extras as vLLM's."""
+
+    model: Optional[str] = Field(None, description="the served model name (GET /v1/models); omitted: that model")
+    temperature: Optional[float] = Field(None, description="[0, 2]; 0 is greedy (default 1)")
+    top_p: Optional[float] = Field(None, description="nucleus mass in (0, 1] (default 1)")
+    n: Optional[int] = Field(None, description="samples per prompt, [1, 128] and at most the server's max-num-seqs")
+    stream: Optional[bool] = Field(False, description="send server-sent events, ending with `data: [DONE]`")
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, list[str], None] = Field(None, description="up to 16 stop strings, not included in the text")
+    seed: Optional[int] = Field(None, description="the same seed and parameters give the same text")
+    presence_penalty: Optional[float] = Field(None, description="[-2, 2]")
+    frequency_penalty: Optional[float] = Field(None, description="[-2, 2]")
+    logit_bias: Optional[dict[str, float]] = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit")
+    user: Optional[str] = Field(None, description="an end-user id, logged")
+    # extensions
+    top_k: Optional[int] = Field(None, description="sample among the k likeliest; 0 or -1 is off")
+    min_p: Optional[float] = Field(None, description="[0, 1]: drop tokens under min_p x the top probability")
+    repetition_penalty: Optional[float] = Field(None, description="(0, 10]; HF-style, 1 is off")
+    min_tokens: Optional[int] = Field(None, description="generate at least this many tokens before EOS or a stop")
+    ignore_eos: Optional[bool] = Field(False, description="keep generating past the end-of-sequence token")
+    stop_token_ids: Optional[list[int]] = Field(None, description="token ids that end a sample")
+    skip_special_tokens: Optional[bool] = Field(True, description="leave special tokens out of the text")
+    include_stop_str_in_output: Optional[bool] = Field(False, description="keep the matched stop string in the text")
+    priority: Optional[int] = Field(0, description="scheduling priority (used by priority scheduling policies)")
+    timeout: Optional[float] = Field(
+        None, description="seconds this request may take in all; past it the request fails with 408 "
+                          "deadline_exceeded (default: the server's --request-timeout)")
+
+
+# -- completions ----------------------------------------------------------------------------------------------
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+        ..., description="a string, a list of strings, token ids, or a list of token-id lists")
+    max_tokens: Optional[int] = Field(16, description="most tokens to generate per sample (default 16); null: "
+                                                      "what the context leaves")
+    echo: Optional[bool] = Field(False, description="put the prompt in front of each completion")
+    logprobs: Optional[int] = Field(None, description="[0, 20]: log probabilities of the sampled tokens and of "
+                                                      "this many likeliest alternatives")
+    suffix: Optional[str] = Field(None, description="not supported: insertion is not implemented")
+    best_of: Optional[int] = Field(None, description="only best_of == n is supported")
+
+
+class CompletionLogprobs(_Response):
+    """OpenAI's legacy logprobs object."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = Field(None, description="stop (EOS or a stop string) or length")
+    stop_reason: Union[int, str, None] = Field(None, description="the stop string or token id that ended the sample")
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionStreamResponse(_Response):
+    """One server-sent event of a streamed completion; `text` is the delta."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
+
+
+# -- chat -------------------------------------------------------------------------------------------------------
+class ContentPart(_Request):
+    """A part of a message's content; only {"type": "text", "text": ...} is supported."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Request):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1, description="the conversation, rendered with the "
+                                                                      "model's chat template")
+    max_tokens: Optional[int] = Field(None, description="deprecated alias of max_completion_tokens")
+    max_completion_tokens: Optional[int] = Field(None, description="most tokens to generate per choice (default: "
+                                                                   "what the context leaves)")
+    logprobs: Optional[bool] = Field(False, description="return log probabilities of the sampled tokens")
+    top_logprobs: Optional[int] = Field(None, description="[0, 20] likeliest alternatives per token; needs logprobs")
+    add_generation_prompt: Optional[bool] = Field(True, description="end the rendered chat with the assistant's "
+                                                                    "turn header")
+    tools: Optional[list[Any]] = Field(None, description="not supported yet")
+    tool_choice: Optional[Any] = Field(None, description="only none/auto without tools")
+    response_format: Optional[dict[str, Any]] = Field(None, description="only {\"type\": \"text\"}")
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = Field(None, description="stop (EOS or a stop string) or length")
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+class DeltaMessage(_Response):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    """One server-sent event of a streamed chat completion: the role first, then content deltas."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
+
+
+class StreamErrorEvent(_Response):
+    """A failure after a stream started: one event like this, then `data: [DONE]`."""
+
+    error: ErrorInfo
+    retryable: bool
+
+
+# -- models, tokenizer, health ---------------------------------------------------------------------------------
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "llmrt"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize: give `prompt` or `messages`."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = Field(True, description="for prompt: add BOS and the like")
+    add_generation_prompt: Optional[bool] = Field(True, description="for messages: end with the assistant header")
+
+
+class TokenizeResponse(_Response):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class HealthResponse(_Response):
+    status: Literal["ok", "unhealthy"]
+    reason: Optional[str] = None
+
+
+class VersionResponse(_Response):
+    version: str
+
+
+class FaultRequest(_Request):
+    """POST /debug/fault (debug endpoints only)."""
+
+    kind: Literal["stall", "crash", "oom"]
+    seconds: Optional[float] = Field(0.0, description="for stall: how long the next engine step sleeps")
+
+
+class FaultResponse(_Response):
+    status: Literal["injected"] = "injected"
+    kind: str
+    seconds: float
+
+
+STREAM_MODELS: tuple[type[BaseModel], ...] = (CompletionStreamResponse, ChatCompletionStreamResponse,
+                                              StreamErrorEvent)
