@@ -215,3 +215,23 @@ def test_more_samples_than_batch_slots_is_refused(checkpoints):
         llm.generate([[5, 6, 7]], SamplingParams(n=3, max_tokens=4))
     assert exc.value.param == "n"
     assert _all_blocks_free(llm)
+
+
+def test_prompt_logprobs_match_hf_and_survive_chunking(checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    prompt = list(range(20, 47))
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["llama3"], dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    # A 5-token budget splits the prompt into chunks, and a 1-token leftover chunk, with another request beside it.
+    llm = LLM(str(checkpoints["llama3"]), dtype="float32", block_size=4, max_num_batched_tokens=5)
+    outs = llm.generate([prompt, [7, 8]], [SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2),
+                                           SamplingParams(max_tokens=3, temperature=0)])
+    plp = outs[0].prompt_logprobs
+    assert len(plp) == len(prompt) and plp[0] is None and outs[1].prompt_logprobs is None
+    for pos in range(1, len(prompt)):
+        entry = plp[pos]
+        assert entry[prompt[pos]] == pytest.approx(ref[pos - 1, prompt[pos]].item(), abs=1e-4)
+        top2 = ref[pos - 1].topk(2).indices.tolist()
+        assert all(t in entry for t in top2)

@@ -173,3 +173,20 @@ def test_tokenize_routes_and_version(server):
     assert r["prompt"] == PROMPT
     assert httpx.get(f"{server.base}/version", timeout=10).json()["version"]
     assert wait_until(lambda: all_blocks_free(server.base))
+
+
+def test_echo_with_logprobs_scores_the_prompt(server):
+    """What lm-eval's loglikelihood does: echo the prompt with logprobs and read the prompt tokens' scores."""
+    from llmrt import LLM, SamplingParams
+
+    ids = server.tokenizer.encode(PROMPT)
+    ref = LLM(str(server.model_dir) if server.model_dir else None).generate(
+        [ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0].prompt_logprobs
+    r = server.client.completions.create(model=server.model, prompt=ids, max_tokens=1, temperature=0, echo=True,
+                                         logprobs=1)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        assert lp.token_logprobs[pos] == pytest.approx(ref[pos][ids[pos]], abs=1e-5)
+        assert lp.top_logprobs[pos]  # the top alternative is there
+    assert r.choices[0].text.startswith(server.tokenizer.decode(ids))

@@ -15,6 +15,7 @@ from llmrt.hardware import device_memory_free_total, measure_peak_memory, tune_c
 from llmrt.model.layers.attention import AttentionMetadata, PrefillSpan
 from llmrt.model.layers.sampler import Sampler, SamplingMetadata
 from llmrt.model.loader import load_model
+from llmrt.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class _Batch:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sample_items: list[ScheduledSequence]  # items with num_samples > 0, in scheduler order
+    prompt_spans: list[tuple[ScheduledSequence, int, int]]  # (item, flat start, rows) needing prompt logprobs
 
 
 class ModelRunner:
@@ -153,12 +155,34 @@ class ModelRunner:
             self._copy_blocks(out.block_copies)
         batch = self._prepare(out)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        prompt_logprobs = {item.seq.seq_id: self._prompt_logprobs(item, hidden[start:start + rows])
+                           for item, start, rows in batch.prompt_spans}
         if not batch.sample_items:
-            return ModelRunnerOutput([])
+            return ModelRunnerOutput([], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         meta = self._sampling_metadata(batch.sample_items)
         result = self.sampler(logits, meta)
-        return self._collect(batch.sample_items, result)
+        out = self._collect(batch.sample_items, result)
+        out.prompt_logprobs = prompt_logprobs
+        return out
+
+    def _prompt_logprobs(self, item: ScheduledSequence, hidden: torch.Tensor) -> list[dict[int, float]]:
+        """For each prompt position in the span, the logprob of the next prompt token (and the top-K)."""
+        seq = item.seq
+        p0 = seq.num_computed_tokens
+        targets = torch.tensor(seq.token_ids[p0 + 1:p0 + 1 + hidden.shape[0]], device=self.device)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        k = seq.params.prompt_logprobs or 0
+        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        result = []
+        for r, tok in enumerate(targets.tolist()):
+            entry = {tok: chosen[r]}
+            if k:
+                for t, v in zip(top_ids[r].tolist(), top_vals[r].tolist()):
+                    entry.setdefault(t, v)
+            result.append(entry)
+        return result
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)
@@ -169,8 +193,9 @@ class ModelRunner:
 
     def _prepare(self, out: SchedulerOutput) -> _Batch:
         bs = self.block_size
-        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+        # One-token spans take the batched decode path, unless their row must also score a prompt token.
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1 and not _prompt_logprob_rows(s)]
+        prefills = [s for s in out.scheduled if s.num_new_tokens > 1 or _prompt_logprob_rows(s)]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -190,6 +215,7 @@ class ModelRunner:
 
         spans: list[PrefillSpan] = []
         span_slots: list[torch.Tensor] = []
+        prompt_spans: list[tuple[ScheduledSequence, int, int]] = []
         for item in prefills:
             seq, n = item.seq, item.num_new_tokens
             p0 = seq.num_computed_tokens
@@ -201,6 +227,9 @@ class ModelRunner:
             span_slots.append(table[pos // bs] * bs + pos % bs)
             spans.append(PrefillSpan(start, n, p0 + n, table.to(self.device, non_blocking=True)))
             last_index[id(item)] = start + n - 1
+            rows = _prompt_logprob_rows(item)
+            if rows:
+                prompt_spans.append((item, start, rows))
 
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long)
@@ -217,7 +246,7 @@ class ModelRunner:
         logits_indices = [last_index[id(s)] for s in sample_items for _ in range(s.num_samples)]
         return _Batch(
             torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
-            meta, torch.tensor(logits_indices, dtype=torch.long, device=dev), sample_items,
+            meta, torch.tensor(logits_indices, dtype=torch.long, device=dev), sample_items, prompt_spans,
         )
 
     def _sampling_metadata(self, items: list[ScheduledSequence]) -> SamplingMetadata:
@@ -257,6 +286,16 @@ class ModelRunner:
         return ModelRunnerOutput(sampled, logprobs if want_logprobs else None)
 
 
+def _prompt_logprob_rows(item: ScheduledSequence) -> int:
+    """How many rows of this span predict a prompt token whose logprob the request asked for."""
+    seq = item.seq
+    if seq.params.prompt_logprobs is None or seq.index != 0 or seq.request.prompt_logprobs is None:
+        return 0
+    start = max(seq.num_computed_tokens, len(seq.request.prompt_logprobs) - 1)  # recompute: skip what we have
+    end = min(seq.num_computed_tokens + item.num_new_tokens, seq.request.num_prompt_tokens - 1)
+    return max(0, end - seq.num_computed_tokens) if end > start else 0
+
+
 class _ProfileSeq:
     """A stand-in sequence for the profiling step: num_tokens of token 0 in blocks 0..n-1."""
 
@@ -264,6 +303,7 @@ class _ProfileSeq:
         self.token_ids = [0] * num_tokens
         self.num_computed_tokens = 0
         self.block_ids = block_ids
+        self.params = SamplingParams()
 
 
 def raise_oom(weights: int, activation: int, block_bytes: int) -> None:

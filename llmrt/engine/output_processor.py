@@ -41,6 +41,7 @@ class RequestState:
     metrics: RequestMetrics
     samples: list[SampleState]
     error: Optional[Exception] = None
+    prompt_logprobs: Optional[list] = None
 
     @property
     def finished(self) -> bool:
@@ -50,7 +51,8 @@ class RequestState:
     def to_output(self) -> RequestOutput:
         """A snapshot as a RequestOutput."""
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
-                             [s.to_output() for s in self.samples], self.finished, self.metrics, error=self.error)
+                             [s.to_output() for s in self.samples], self.finished, self.metrics,
+                             prompt_logprobs=self.prompt_logprobs, error=self.error)
 
 
 class OutputProcessor:
@@ -90,6 +92,8 @@ class OutputProcessor:
                 continue
             touched[out.request_id] = state
             self._record_timing(state, out)
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = out.prompt_logprobs
             if out.new_token_ids:
                 sample.token_ids.extend(out.new_token_ids)
                 if out.new_logprobs is not None and sample.logprobs is not None:

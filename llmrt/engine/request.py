@@ -35,6 +35,11 @@ class Request:
     first_scheduled_time: Optional[float] = None
     num_preemptions: int = 0
     deadline: Optional[float] = None  # time.monotonic() instant after which the request is dropped
+    prompt_logprobs: Optional[list] = None  # [None, {token: logprob, ...}, ...] when params.prompt_logprobs is set
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token has nothing before it
 
     @property
     def num_prompt_tokens(self) -> int:

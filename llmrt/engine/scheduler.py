@@ -42,6 +42,7 @@ class ModelRunnerOutput:
 
     sampled_token_ids: list[list[int]]
     logprobs: Optional[list[list[dict[int, float]]]] = None
+    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # seq_id -> rows of a span
 
 
 @dataclass
@@ -57,6 +58,7 @@ class EngineCoreOutput:
     first_scheduled_time: Optional[float] = None
     num_preemptions: int = 0
     timestamp: float = field(default_factory=time.monotonic)
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # with a request's first token
 
 
 class Scheduler:
@@ -183,6 +185,10 @@ class Scheduler:
         now = time.monotonic()
         for item in out.scheduled:
             seq = item.seq
+            rows = result.prompt_logprobs.get(seq.seq_id)
+            if rows:
+                have = seq.request.prompt_logprobs
+                have.extend(rows[len(have) - 1 - seq.num_computed_tokens:])  # a recompute repeats rows
             seq.num_computed_tokens += item.num_new_tokens
             if not item.num_samples:
                 continue
@@ -201,6 +207,7 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(
                     req.request_id, target.index, [token], [logprobs[j]] if logprobs else None, reason, stop,
                     req.first_scheduled_time, req.num_preemptions, now,
+                    req.prompt_logprobs if target.index == 0 and target.num_output_tokens == 1 else None,
                 ))
                 if reason is not None:
                     self._finish(target, reason, stop)

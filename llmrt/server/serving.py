@@ -508,7 +508,7 @@ class CompletionStream(StreamFormatter):
             assert out is not None
             lp = None
             if self.logprobs is not None:
-                lp, _ = completion_logprobs(self.texts.entries([], out.prompt_token_ids, None, None), 0)
+                lp, _ = completion_logprobs(self.texts.entries([], out.prompt_token_ids, out.prompt_logprobs, None), 0)
             for j in range(gen.params.n):
                 index = i * gen.params.n + j
                 self.offsets[index] = len(prompt_text)
@@ -542,8 +542,9 @@ def completion_response(gen: Generation, response_id: str, model: str, created: 
             if logprobs is not None:
                 lp, _ = completion_logprobs(texts.entries(d.context, d.token_ids, d.logprobs, None),
                                             len(prompt_text or ""))
-                if prompt_text is not None:  # the echoed prompt's tokens come first, without logprobs
-                    head, _ = completion_logprobs(texts.entries([], out.prompt_token_ids, None, None), 0)
+                if prompt_text is not None:  # the echoed prompt's tokens come first (the first has no logprob)
+                    head, _ = completion_logprobs(
+                        texts.entries([], out.prompt_token_ids, out.prompt_logprobs, None), 0)
                     lp = P.CompletionLogprobs(tokens=head.tokens + lp.tokens,
                                               token_logprobs=head.token_logprobs + lp.token_logprobs,
                                               top_logprobs=head.top_logprobs + lp.top_logprobs,
@@ -564,6 +565,8 @@ async def create_completion(state: ServerState, req: P.CompletionRequest, reques
         raise UnsupportedError("best_of: only best_of equal to n is supported", param="best_of")
     prompts = completion_prompts(req.prompt)
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    if req.echo and req.logprobs is not None:
+        params.prompt_logprobs = req.logprobs  # echoed prompt tokens carry their logprobs (scoring, lm-eval)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     record.update(response_id=response_id, model=state.model_name, stream=bool(req.stream), user=req.user)
