@@ -141,12 +141,13 @@ def test_oom_in_a_step_is_absorbed():
     async def main():
         eng = await _engine()
         try:
+            await eng.inject_fault("stall", 0.5)  # holds the first step until both requests are there
+            await eng.inject_fault("oom")
             t1 = asyncio.create_task(_collect(eng, "Once upon a time", GREEDY, "o1"))
             t2 = asyncio.create_task(_collect(eng, "Lily and Tom", GREEDY, "o2"))
-            await asyncio.sleep(0.05)
-            await eng.inject_fault("oom")
             outs = await asyncio.gather(t1, t2)
             assert [o.outputs[0].token_ids for o in outs] == [e.outputs[0].token_ids for e in expected]
+            assert eng.stats()["num_preemptions"] >= 1  # the failed step was absorbed by preempting
         finally:
             await eng.shutdown()
     run(main())

@@ -139,10 +139,11 @@ def test_oom_in_a_step_is_absorbed(server):
     expected = [_post(server, "/v1/completions", json={**_greedy(128), "prompt": p}).json()["choices"][0]["text"]
                 for p in prompts]
     preemptions = _stats(server)["num_preemptions"]
+    # The stall holds the engine's next step until both requests have arrived, so the OOM hits a step of two.
+    assert _post(server, "/debug/fault", json={"kind": "stall", "seconds": 1.5}).status_code == 200
+    assert _post(server, "/debug/fault", json={"kind": "oom"}).status_code == 200
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(_post, server, "/v1/completions", json={**_greedy(128), "prompt": p}) for p in prompts]
-        assert wait_until(lambda: _stats(server).get("num_running") == 2, timeout=10, interval=0.01)
-        assert _post(server, "/debug/fault", json={"kind": "oom"}).status_code == 200
         results = [f.result(timeout=T) for f in futures]
     assert [r.status_code for r in results] == [200, 200]
     assert [r.json()["choices"][0]["text"] for r in results] == expected

@@ -74,6 +74,7 @@ def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: in
             logger.warning("fault injection: stalling a step for %.1f s", stall)
             time.sleep(stall)
             stall = 0.0
+            continue  # like a long step: what arrived meanwhile joins the next one
         try:
             outputs += core.step()
         except Exception:
