@@ -91,7 +91,7 @@ def test_queued_request_past_deadline_gets_408_without_compute():
             long = asyncio.create_task(_collect(eng, "Once upon a time",
                                                 SamplingParams(max_tokens=300, temperature=0, ignore_eos=True), "long"))
             await asyncio.sleep(0.3)
-            with pytest.raises(DeadlineExceededError):
+            with pytest.raises(DeadlineExceededError, match="still queued"):
                 await _collect(eng, "Lily", GREEDY, "late", timeout=0.3)
             out = await long
             assert len(out.outputs[0].token_ids) == 300

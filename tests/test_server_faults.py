@@ -122,6 +122,8 @@ def test_streaming_client_leaving_frees_its_blocks(server):
 
 def test_non_streaming_client_leaving_aborts_the_request(server):
     before = httpx.get(f"{server}/debug/stats", timeout=5).json()["num_steps"]
+    # A stalled step keeps the request from finishing before the client leaves, however fast the machine is.
+    _post(server, "/debug/fault", json={"kind": "stall", "seconds": 1.0})
     with pytest.raises(httpx.ReadTimeout):
         _post(server, "/v1/completions", json=_greedy(230), timeout=0.3)
     assert wait_until(lambda: all_blocks_free(server), timeout=5)

@@ -258,7 +258,9 @@ class AsyncLLM:
 
 def _finish_error(out: EngineCoreOutput) -> Optional[LLMRTError]:
     if out.finish_reason == "deadline":
-        return DeadlineExceededError("the request's timeout passed before it finished; nothing it generated is kept")
+        where = "while it was still queued (no compute was spent on it)" if out.first_scheduled_time is None \
+            else "while it was running"
+        return DeadlineExceededError(f"the request's timeout passed {where}; nothing it generated is kept")
     if out.finish_reason == "error":
         return OutOfMemoryError("the device ran out of memory even with this request running alone")
     return None
