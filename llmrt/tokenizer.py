@@ -52,6 +52,17 @@ class Tokenizer:
         """Text of `ids`."""
         return self._decode(ids, skip_special_tokens)
 
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt given as text or as token ids; refuses an empty string."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise InvalidRequestError(
+            f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt")
+
     def count_tokens(self, text: str) -> int:
         """How many tokens `encode(text)` gives, special tokens included."""
         return len(self.encode(text))

@@ -67,6 +67,8 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], int, str, Optional[str], bool]] = [
     ("/v1/completions", {"json": {"model": "gpt-17", "prompt": "x"}}, 404, "model_not_found", "model", False),
     ("/v1/completions", {"json": {"prompt": [7] * 300}}, 400, "context_length_exceeded", "prompt", False),
     ("/v1/completions", {"json": {"prompt": "Once " * 400}}, 400, "context_length_exceeded", "prompt", False),
+    ("/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "Once " * 400}]}}, 400,
+     "context_length_exceeded", "messages", False),
     ("/v1/completions", {"json": {"prompt": [1, 2, 10**6]}}, 400, "invalid_request", "prompt", False),
     ("/v1/completions", {"json": {"prompt": [1, -2]}}, 400, "invalid_request", "prompt", False),
     ("/v1/completions", {"json": {"prompt": "x", "logit_bias": {"999999": 3}}}, 400, "invalid_request",

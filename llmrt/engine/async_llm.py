@@ -109,7 +109,7 @@ class AsyncLLM:
             raise self._dead
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        text, ids = self._tokenize(prompt)
+        text, ids = self.tokenizer.encode_prompt(prompt)
         validate_request(ids, params, self.limits)
         self.admission.admit(self._stats, len(ids))
         timeout = timeout if timeout is not None else self.default_timeout
@@ -153,13 +153,6 @@ class AsyncLLM:
         if stream is not None:
             stream.put(CancelledError(f"request {request_id} was aborted"))
 
-    def _tokenize(self, prompt: Union[str, list[int]]) -> tuple[Optional[str], list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("the prompt is empty", param="prompt")
-            return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
-
     # -- health and stats ------------------------------------------------------------------------------
     def health(self) -> tuple[bool, str]:
         """(healthy, reason): alive, and stepping when there is work."""
@@ -175,12 +168,8 @@ class AsyncLLM:
 
     def stats(self) -> dict[str, Any]:
         """The latest engine figures, for debugging and tests."""
-        if self._stats is not None:
-            out: dict[str, Any] = asdict(self._stats)
-        else:  # before the first step: an idle engine with every block free
-            total = self.limits.num_blocks if self.limits else 0
-            out = {"num_running": 0, "num_waiting": 0, "waiting_tokens": 0, "kv_blocks_total": total,
-                   "kv_blocks_free": total, "num_steps": 0, "last_step_tokens": 0, "num_preemptions": 0}
+        # Before the first step: an idle engine with every block free.
+        out: dict[str, Any] = asdict(self._stats or EngineStats.idle(self.limits.num_blocks if self.limits else 0))
         out["kv_usage"] = 1.0 - out["kv_blocks_free"] / max(out["kv_blocks_total"], 1)
         out["engine_pid"] = self._proc.pid if self._proc else None
         out["num_streams"] = len(self._streams)

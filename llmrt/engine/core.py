@@ -144,6 +144,11 @@ class EngineStats:
     last_step_tokens: int
     num_preemptions: int
 
+    @classmethod
+    def idle(cls, num_blocks: int) -> "EngineStats":
+        """The figures of an engine that has not stepped yet."""
+        return cls(0, 0, 0, num_blocks, num_blocks, 0, 0, 0)
+
 
 @dataclass
 class EngineLimits:

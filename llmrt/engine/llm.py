@@ -82,7 +82,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
-                text, token_ids = self._tokenize(prompt)
+                text, token_ids = self.tokenizer.encode_prompt(prompt)
                 request_id = str(next(self._ids))
                 arrival = time.monotonic()
                 self.engine.add_request(request_id, token_ids, p, arrival)
@@ -94,16 +94,6 @@ class LLM:
                 self.processor.abort(request_id)
             raise
         return ids
-
-    def _tokenize(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("the prompt is empty", param="prompt")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list):
-            return None, prompt
-        raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}",
-                                  param="prompt")
 
     def _step(self) -> list[RequestState]:
         outputs = self.engine.step()

@@ -194,8 +194,9 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput) -> _Batch:
         bs = self.block_size
         # One-token spans take the batched decode path, unless their row must also score a prompt token.
-        decodes = [s for s in out.scheduled if s.num_new_tokens == 1 and not _prompt_logprob_rows(s)]
-        prefills = [s for s in out.scheduled if s.num_new_tokens > 1 or _prompt_logprob_rows(s)]
+        scoring = {id(s): _prompt_logprob_rows(s) for s in out.scheduled}
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1 and not scoring[id(s)]]
+        prefills = [s for s in out.scheduled if s.num_new_tokens > 1 or scoring[id(s)]]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -227,9 +228,8 @@ class ModelRunner:
             span_slots.append(table[pos // bs] * bs + pos % bs)
             spans.append(PrefillSpan(start, n, p0 + n, table.to(self.device, non_blocking=True)))
             last_index[id(item)] = start + n - 1
-            rows = _prompt_logprob_rows(item)
-            if rows:
-                prompt_spans.append((item, start, rows))
+            if scoring[id(item)]:
+                prompt_spans.append((item, start, scoring[id(item)]))
 
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long)

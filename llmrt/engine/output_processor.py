@@ -111,11 +111,10 @@ class OutputProcessor:
                 sample.finish_reason = out.finish_reason
                 if out.stop_reason is not None:
                     sample.stop_reason = out.stop_reason
-        now_finished = [s for s in touched.values() if s.finished]
-        for state in now_finished:
-            if state.metrics.finished_time is None:
-                state.metrics.finished_time = max(o.timestamp for o in outputs if o.request_id == state.request_id)
-            self.states.pop(state.request_id, None)
+        for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = state.metrics.finished_time or outputs[-1].timestamp
+                self.states.pop(state.request_id, None)
         return list(touched.values()), to_stop
 
     def abort(self, request_id: str, error: Optional[Exception] = None) -> Optional[RequestState]:

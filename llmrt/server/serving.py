@@ -116,15 +116,6 @@ def completion_prompts(prompt: Union[str, list[str], list[int], list[list[int]]]
     return prompts
 
 
-def check_prompt_length(ids: list[int], max_model_len: int, where: str = "prompt") -> None:
-    """A prompt that leaves no room for one generated token is refused before it reaches the engine."""
-    if len(ids) >= max_model_len:
-        what = "the rendered messages come to" if where == "messages" else "the prompt alone has"
-        raise ContextLengthExceededError(
-            f"this model's maximum context length is {max_model_len} tokens, but {what} {len(ids)} tokens, "
-            "leaving no room for a completion; shorten it", param=where)
-
-
 def chat_messages(messages: Sequence[P.ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the tokenizer's chat template takes them; only text content is supported."""
     out = []
@@ -147,8 +138,13 @@ class Generation:
     """The engine requests of one API request (one per prompt), iterated together."""
 
     def __init__(self, engine: Any, prompts: list[Prompt], params: SamplingParams, base_id: str, *,
-                 priority: int = 0, timeout: Optional[float] = None, default_timeout: Optional[float] = None):
-        """`timeout` goes to the engine (None: the engine's default); `default_timeout` is that default."""
+                 priority: int = 0, timeout: Optional[float] = None, default_timeout: Optional[float] = None,
+                 prompt_param: str = "prompt"):
+        """`timeout` goes to the engine (None: the engine's default); `default_timeout` is that default.
+
+        `prompt_param` is the API field the prompt came from: engine errors about the prompt name it.
+        """
+        self.prompt_param = prompt_param
         self.request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         self.gens = [engine.generate(p, params, rid, priority=priority, timeout=timeout)
                      for p, rid in zip(prompts, self.request_ids)]
@@ -186,6 +182,8 @@ class Generation:
                 self.done[i] = True
                 continue
             except BaseException as e:  # noqa: BLE001 - re-raised below, after the others are recorded
+                if isinstance(e, LLMRTError) and e.param == "prompt":
+                    e.param = self.prompt_param
                 self.done[i] = True
                 error = error or e
                 continue
@@ -575,8 +573,6 @@ async def create_completion(state: ServerState, req: P.CompletionRequest, reques
     if req.echo:
         echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
     prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-    for ids in prompt_ids:
-        check_prompt_length(ids, state.engine.max_model_len)
     texts = TokenTexts(tokenizer)
     gen = Generation(state.engine, list(prompt_ids), params, response_id, priority=req.priority or 0,
                      timeout=req.timeout, default_timeout=state.default_timeout)
@@ -664,13 +660,12 @@ async def create_chat_completion(state: ServerState, req: P.ChatCompletionReques
         raise
     tokenizer = state.tokenizer
     prompt_ids = tokenizer.apply_chat_template(chat_messages(req.messages), req.add_generation_prompt is not False)
-    check_prompt_length(prompt_ids, state.engine.max_model_len, "messages")
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     record.update(response_id=response_id, model=state.model_name, stream=bool(req.stream), user=req.user)
     texts = TokenTexts(tokenizer)
     gen = Generation(state.engine, [prompt_ids], params, response_id, priority=req.priority or 0,
-                     timeout=req.timeout, default_timeout=state.default_timeout)
+                     timeout=req.timeout, default_timeout=state.default_timeout, prompt_param="messages")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = ChatStream(response_id, state.model_name, created, include_usage, texts=texts,
