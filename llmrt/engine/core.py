@@ -55,6 +55,7 @@ class EngineCore:
         self.vocab_size = self.runner.vocab_size
         self.num_steps = 0
         self.last_step_tokens = 0
+        self.last_step_seqs = 0
         self.inject_oom_steps = 0  # fault injection: fail this many next steps with out-of-memory
 
     @property
@@ -121,6 +122,7 @@ class EngineCore:
             return expired + self.scheduler.shrink_after_oom(sched)
         self.num_steps += 1
         self.last_step_tokens = sched.num_batched_tokens
+        self.last_step_seqs = len(sched.scheduled)
         return expired + self.scheduler.update(sched, result)
 
     def stats(self) -> "EngineStats":
@@ -128,7 +130,10 @@ class EngineCore:
         sch, bm = self.scheduler, self.block_manager
         waiting_tokens = sum(s.num_tokens - s.num_computed_tokens for s in sch.waiting)
         return EngineStats(len(sch.running), sch.num_waiting, waiting_tokens, bm.num_blocks, bm.num_free_blocks,
-                           self.num_steps, self.last_step_tokens, sch.num_preemptions_total)
+                           self.num_steps, self.last_step_tokens, sch.num_preemptions_total,
+                           last_step_seqs=self.last_step_seqs,
+                           prefix_cache_queried_tokens=bm.prefix_cache_queried_tokens,
+                           prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens)
 
 
 @dataclass
@@ -142,7 +147,14 @@ class EngineStats:
     kv_blocks_free: int
     num_steps: int
     last_step_tokens: int
-    num_preemptions: int
+    num_preemptions: int  # cumulative
+    last_step_seqs: int = 0
+    # Cumulative prompt tokens looked up in the prefix cache, and those found there.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    # Cumulative speculative-decoding draft tokens proposed and accepted (zero until it lands).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @classmethod
     def idle(cls, num_blocks: int) -> "EngineStats":

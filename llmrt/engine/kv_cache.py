@@ -14,6 +14,9 @@ class BlockManager:
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # Cumulative prompt tokens looked up in the prefix cache and found there (metrics).
+        self.prefix_cache_queried_tokens = 0
+        self.prefix_cache_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:

@@ -1,0 +1,102 @@
+"""A streaming OpenAI-completions client that records when every token arrives, for serving benchmarks."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    """One benchmark request: its outcome and the arrival time of each streamed token (time.perf_counter)."""
+
+    start: float
+    end: float = 0.0
+    ok: bool = False
+    status: Optional[int] = None
+    error: Optional[str] = None
+    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: Optional[str] = None
+    text: str = ""
+    server_timing: Optional[dict[str, Any]] = None  # the response's `llmrt` extension object, when sent
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Seconds from sending to the first streamed token."""
+        return self.token_times[0] - self.start if self.token_times else None
+
+    @property
+    def e2e(self) -> float:
+        """Seconds from sending to the end of the stream."""
+        return self.end - self.start
+
+    @property
+    def itls(self) -> list[float]:
+        """Gaps between consecutive streamed chunks that carried tokens."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> Optional[float]:
+        """Mean seconds per output token after the first (uses the server's token count)."""
+        n = self.output_tokens or len(self.token_times)
+        if not self.token_times or n < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1)
+
+
+async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str, prompt: Union[str, list[int]],
+                            max_tokens: int, *, ignore_eos: bool = True, extra: Optional[dict[str, Any]] = None,
+                            timeout: float = 600.0) -> RequestResult:
+    """POST a streaming /v1/completions request and time each chunk; never raises for HTTP or stream errors."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        # vLLM-style extras: fixed-length outputs make runs comparable across runtimes.
+        body.update(ignore_eos=True, min_tokens=max_tokens)
+    body.update(extra or {})
+    result = RequestResult(start=time.perf_counter())
+    try:
+        async with client.stream("POST", base_url.rstrip("/") + "/completions", json=body, timeout=timeout) as resp:
+            result.status = resp.status_code
+            if resp.status_code != 200:
+                result.error = (await resp.aread()).decode(errors="replace")[:500]
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                _apply_chunk(result, json.loads(data), time.perf_counter())
+        result.ok = result.error is None
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    finally:
+        result.end = time.perf_counter()
+    return result
+
+
+def _apply_chunk(result: RequestResult, chunk: dict[str, Any], now: float) -> None:
+    if "error" in chunk:
+        result.error = json.dumps(chunk["error"])[:500]
+        return
+    for choice in chunk.get("choices") or []:
+        if choice.get("text"):
+            result.token_times.append(now)
+            result.text += choice["text"]
+        if choice.get("finish_reason"):
+            result.finish_reason = choice["finish_reason"]
+    usage = chunk.get("usage")
+    if usage:
+        result.prompt_tokens = usage.get("prompt_tokens", 0)
+        result.output_tokens = usage.get("completion_tokens", 0)
+        result.cached_tokens = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    if chunk.get("llmrt"):
+        result.server_timing = chunk["llmrt"]
