@@ -22,6 +22,9 @@ class RequestMetrics:
     num_generation_steps: int = 0  # tokens of the longest sample
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Gaps (seconds) between the engine steps that gave sample 0 new tokens: the inter-token latencies.
+    inter_token_latencies: list[float] = field(default_factory=list)
+    sample0_last_token_time: Optional[float] = None
 
     @property
     def preempted(self) -> bool:

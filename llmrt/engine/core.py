@@ -129,9 +129,10 @@ class EngineCore:
         """Queue and cache figures after the latest step."""
         sch, bm = self.scheduler, self.block_manager
         waiting_tokens = sum(s.num_tokens - s.num_computed_tokens for s in sch.waiting)
+        preempted = sum(1 for s in sch.waiting if s.request.num_preemptions)
         return EngineStats(len(sch.running), sch.num_waiting, waiting_tokens, bm.num_blocks, bm.num_free_blocks,
                            self.num_steps, self.last_step_tokens, sch.num_preemptions_total,
-                           last_step_seqs=self.last_step_seqs,
+                           last_step_seqs=self.last_step_seqs, num_preempted=preempted,
                            prefix_cache_queried_tokens=bm.prefix_cache_queried_tokens,
                            prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens)
 
@@ -149,6 +150,7 @@ class EngineStats:
     last_step_tokens: int
     num_preemptions: int  # cumulative
     last_step_seqs: int = 0
+    num_preempted: int = 0  # waiting sequences that were preempted and wait to be recomputed
     # Cumulative prompt tokens looked up in the prefix cache, and those found there.
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0

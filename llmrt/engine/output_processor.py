@@ -153,5 +153,9 @@ class OutputProcessor:
             if m.first_token_time is None:
                 m.first_token_time = out.timestamp
             m.last_token_time = out.timestamp
+            if out.index == 0:
+                if m.sample0_last_token_time is not None:
+                    m.inter_token_latencies.append(out.timestamp - m.sample0_last_token_time)
+                m.sample0_last_token_time = out.timestamp
             m.num_output_tokens += len(out.new_token_ids)
             m.num_generation_steps = max(m.num_generation_steps, len(state.samples[out.index].token_ids) + len(out.new_token_ids))

@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes, tokenizer routes, health, version and (opt-in) debug routes."""
+"""The FastAPI app: OpenAI routes, tokenizer routes, health, version, metrics, dashboard and (opt-in) debug routes."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -13,6 +13,7 @@ from llmrt.server import protocol as P
 from llmrt.server import serving
 from llmrt.server.errors import install_exception_handlers
 from llmrt.server.middleware import MAX_BODY_BYTES, ServerMiddleware
+from llmrt.server.observability import install_observability
 from llmrt.server.serving import ServerState
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -44,8 +45,10 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
                               "`{\"error\": {message, type, param, code}, \"retryable\": bool}`.")
     app.state.llmrt = state
     install_exception_handlers(app)
+    metrics, _ = install_observability(app, state)
     app.add_middleware(ServerMiddleware, max_body_bytes=getattr(args, "max_body_bytes", None) or MAX_BODY_BYTES,
-                       access_log=not getattr(args, "disable_access_log", False))
+                       access_log=not getattr(args, "disable_access_log", False),
+                       on_finish=lambda record: record.get("error") and metrics.observe_error(record["error"]))
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=_streamed(P.CompletionStreamResponse),
               summary="Text completion (OpenAI legacy completions)")

@@ -42,7 +42,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve GET /debug/stats and POST /debug/fault (fault injection: stall, crash, oom); "
                         "for tests, never in production")
     g.add_argument("--disable-access-log", action="store_true",
-                   help="do not write the JSON access-log line per request (logger llmrt.access, to stderr)")
+                   help="do not write the JSON access-log line per request (logger llmrt.access, to stderr; "
+                        "successful polls of /metrics and /dashboard are never logged)")
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -77,6 +78,7 @@ async def _serve(args: argparse.Namespace) -> int:
                           enable_fault_injection=args.enable_debug_endpoints)
         await engine.start()
         app = build_app(engine, args)
+        app.state.timeline.start()  # the dashboard's history starts now, not when the page is first opened
         server = _uvicorn_server(uvicorn.Config(app, access_log=False, log_config=None, lifespan="off",
                                                 timeout_graceful_shutdown=5,
                                                 log_level=logging.getLogger().getEffectiveLevel()))

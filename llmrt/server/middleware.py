@@ -5,7 +5,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -19,15 +19,20 @@ MAX_BODY_BYTES = 10 * 1024 * 1024
 # reset connection) up to this many bytes; past it the connection is simply closed.
 _MAX_DRAIN_BYTES = 64 * 1024 * 1024
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# Polled by scrapers and the dashboard (every second): answered without an access-log line unless they fail.
+_QUIET_PATHS = ("/metrics", "/dashboard")
 
 
 class ServerMiddleware:
     """Pure ASGI (streaming responses pass through untouched)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int = MAX_BODY_BYTES, access_log: bool = True):
+    def __init__(self, app: ASGIApp, max_body_bytes: int = MAX_BODY_BYTES, access_log: bool = True,
+                 on_finish: Optional[Callable[[dict[str, Any]], None]] = None):
+        """`on_finish` sees every request's finished access record (the metrics count errors by code there)."""
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.access_log = access_log
+        self.on_finish = on_finish
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -63,9 +68,12 @@ class ServerMiddleware:
                 err = LLMRTError(f"internal server error: {type(e).__name__}: {e}")
                 await _send_json(send_wrapper, err.http_status, err.to_dict())
         finally:
-            if self.access_log and access_logger.isEnabledFor(logging.INFO):
-                record["duration_s"] = round(time.monotonic() - start, 6)
-                record.setdefault("status", None)
+            record["duration_s"] = round(time.monotonic() - start, 6)
+            record.setdefault("status", None)
+            if self.on_finish is not None:
+                self.on_finish(record)
+            quiet = str(scope.get("path", "")).startswith(_QUIET_PATHS) and (record["status"] or 500) < 400
+            if self.access_log and not quiet and access_logger.isEnabledFor(logging.INFO):
                 access_logger.info(json.dumps(record, default=str))
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> Optional[Receive]:

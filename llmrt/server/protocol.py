@@ -108,6 +108,17 @@ class UsageInfo(_Response):
     total_tokens: int
 
 
+class RequestTiming(_Response):
+    """llmrt's extension object: where the time of this request went (seconds) and what it reused."""
+
+    queue_time: Optional[float] = Field(None, description="arrival to the first scheduled engine step")
+    ttft: Optional[float] = Field(None, description="time to first token: arrival to the first sampled token")
+    tpot: Optional[float] = Field(None, description="mean time per output token after the first")
+    e2e: Optional[float] = Field(None, description="arrival to finish")
+    cached_tokens: int = Field(0, description="prompt tokens served from the prefix cache")
+    preemptions: int = Field(0, description="times a sample was preempted and recomputed")
+
+
 class CompletionResponse(_Response):
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -115,6 +126,7 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    llmrt: Optional[RequestTiming] = None
     system_fingerprint: Optional[str] = None
 
 
@@ -127,6 +139,7 @@ class CompletionStreamResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
+    llmrt: Optional[RequestTiming] = Field(None, description="on the final chunk only")
     system_fingerprint: Optional[str] = None
 
 
@@ -200,6 +213,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    llmrt: Optional[RequestTiming] = None
     system_fingerprint: Optional[str] = None
 
 
@@ -225,6 +239,7 @@ class ChatCompletionStreamResponse(_Response):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: Optional[UsageInfo] = None
+    llmrt: Optional[RequestTiming] = Field(None, description="on the final chunk only")
     system_fingerprint: Optional[str] = None
 
 

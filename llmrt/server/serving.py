@@ -13,13 +13,14 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Optional, Sequence, TypeVar, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence, TypeVar, Union
 
 import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from llmrt.errors import (CancelledError, ContextLengthExceededError, DeadlineExceededError, InvalidRequestError, LLMRTError, ModelNotFoundError, UnsupportedError)
+from llmrt.metrics.timing import request_timing
 from llmrt.outputs import CompletionOutput, RequestOutput
 from llmrt.sampling_params import SamplingParams
 from llmrt.server import protocol as P
@@ -47,6 +48,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     debug: bool = False
     default_timeout: Optional[float] = None  # --request-timeout
+    # Called with the final engine outputs of every API request (metrics, dashboard).
+    observers: list[Callable[[list[Optional[RequestOutput]]], None]] = field(default_factory=list)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -64,6 +67,14 @@ def access_record(request: Request) -> dict[str, Any]:
     """The access-log record of this request (filled in by the routes, written by the middleware)."""
     record = getattr(request.state, "access", None)
     return record if isinstance(record, dict) else {}
+
+
+def finish_request(request: Request, gen: "Generation") -> None:
+    """Write a finished (or failed) API request's counts and timings into its access record and the observers."""
+    gen.log_into(access_record(request))
+    state = getattr(request.app.state, "llmrt", None)
+    for observe in state.observers if state is not None else ():
+        observe(gen.latest)
 
 
 # -- request -> SamplingParams ---------------------------------------------------------------------------------
@@ -412,12 +423,17 @@ class StreamFormatter:
     def __init__(self, response_id: str, model: str, created: int, include_usage: bool):
         self.response_id, self.model, self.created = response_id, model, created
         self.include_usage = include_usage
+        self.timing: Optional[dict[str, Any]] = None  # the `llmrt` object, set once every prompt has finished
 
     def chunk(self, choices: list[dict[str, Any]], usage: Optional[P.UsageInfo] = None) -> str:
         body: dict[str, Any] = {"id": self.response_id, "object": self.object_name, "created": self.created,
                                 "model": self.model, "choices": choices}
         if self.include_usage:
             body["usage"] = usage.model_dump() if usage is not None else None
+        # The final chunk carries the timings: the usage chunk, else the chunks finishing the last choices.
+        final = usage is not None if self.include_usage else any(c.get("finish_reason") for c in choices)
+        if self.timing is not None and final:
+            body["llmrt"] = self.timing
         return sse(body)
 
     def head(self, gen: Generation) -> list[str]:
@@ -446,6 +462,8 @@ async def stream_response(request: Request, gen: Generation, fmt: StreamFormatte
                 yield event
             updated = [i for i, out in enumerate(gen.latest) if out is not None]
             while True:
+                if gen.finished:
+                    fmt.timing = request_timing(gen.latest)
                 for i in updated:
                     out = gen.latest[i]
                     assert out is not None
@@ -469,7 +487,7 @@ async def stream_response(request: Request, gen: Generation, fmt: StreamFormatte
             raise
         finally:
             await gen.close()
-            gen.log_into(record)
+            finish_request(request, gen)
         yield "data: [DONE]\n\n"
 
     return EventStreamResponse(events(), media_type="text/event-stream",
@@ -550,7 +568,8 @@ def completion_response(gen: Generation, response_id: str, model: str, created: 
             choices.append(P.CompletionChoice(index=d.index, text=(prompt_text or "") + d.text, logprobs=lp,
                                               finish_reason=d.finish_reason, stop_reason=_stop_reason(d.stop_reason)))
     choices.sort(key=lambda c: c.index)
-    return P.CompletionResponse(id=response_id, created=created, model=model, choices=choices, usage=gen.usage())
+    return P.CompletionResponse(id=response_id, created=created, model=model, choices=choices, usage=gen.usage(),
+                                llmrt=request_timing(gen.latest))
 
 
 async def create_completion(state: ServerState, req: P.CompletionRequest, request: Request) -> Any:
@@ -585,7 +604,7 @@ async def create_completion(state: ServerState, req: P.CompletionRequest, reques
         await until_disconnect(request, gen.run())
     finally:
         await gen.close()
-        gen.log_into(record)
+        finish_request(request, gen)
     return completion_response(gen, response_id, state.model_name, created, texts, req.logprobs, echo)
 
 
@@ -630,7 +649,8 @@ def chat_response(gen: Generation, response_id: str, model: str, created: int, t
                                                   logprobs=lp, finish_reason=d.finish_reason,
                                                   stop_reason=_stop_reason(d.stop_reason)))
     choices.sort(key=lambda c: c.index)
-    return P.ChatCompletionResponse(id=response_id, created=created, model=model, choices=choices, usage=gen.usage())
+    return P.ChatCompletionResponse(id=response_id, created=created, model=model, choices=choices, usage=gen.usage(),
+                                    llmrt=request_timing(gen.latest))
 
 
 async def create_chat_completion(state: ServerState, req: P.ChatCompletionRequest, request: Request) -> Any:
@@ -675,5 +695,5 @@ async def create_chat_completion(state: ServerState, req: P.ChatCompletionReques
         await until_disconnect(request, gen.run())
     finally:
         await gen.close()
-        gen.log_into(record)
+        finish_request(request, gen)
     return chat_response(gen, response_id, state.model_name, created, texts, top_logprobs)
