@@ -1,4 +1,4 @@
-"""The `llmrt` command: generate, serve, bench."""
+"""The `llmrt` command: generate, serve, bench (throughput, serve)."""
 from __future__ import annotations
 
 import argparse
@@ -107,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     throughput.add_arguments(thr)
     thr.set_defaults(func=lambda a: (throughput.run(a), 0)[1])
+    srv = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server: latency percentiles, "
+                                             "throughput, goodput, JSON + PNG",
+                               description="Load-test any OpenAI-compatible /v1/completions endpoint (llmrt or "
+                                           "another runtime) with streaming requests.")
+    from llmrt.bench import serve as bench_serve
+
+    bench_serve.add_arguments(srv)
+    srv.set_defaults(func=lambda a: (bench_serve.run(a), 0)[1])
     return parser
 
 

@@ -106,18 +106,20 @@ MACHINE_COLUMNS: list[Column] = ["date", "cpu", "cores", "torch", "dtype"]
 
 def write_results(name: str, result: dict[str, Any], out_dir: str = "benchmarks",
                   summary: dict[str, Any] | None = None, columns: Sequence[Column] | None = None,
-                  key: Sequence[str] = ()) -> tuple[Path, Path]:
-    """Write <out_dir>/<name>.json (the full result) and append/refresh a row of <out_dir>/<name>.md."""
+                  key: Sequence[str] = (), table: str | None = None) -> tuple[Path, Path]:
+    """Write <out_dir>/<name>.json (the full result) and append/refresh a row of <out_dir>/<table or name>.md."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / f"{name}.json", out / f"{name}.md"
+    table = table or name
+    json_path, md_path = out / f"{name}.json", out / f"{table}.md"
     json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     machine = result.get("machine") or machine_info()
     summary = summary or {}
     row = {"date": result.get("date") or now_iso(), "cpu": machine.get("gpu") or machine.get("cpu"),
            "cores": machine.get("cores"), "torch": machine.get("torch"), "dtype": result.get("dtype"), **summary}
     cols = MACHINE_COLUMNS + list(columns if columns is not None else summary)
+    latest = f"`{name}.json`" if table == name else "the file named in each row's `json` column"
     intro = (f"One row per configuration (a rerun on the same machine, torch, dtype and key columns replaces its row). "
-             f"Full data of the latest run: `{name}.json`.")
-    update_markdown(md_path, name, intro, row, cols, key=["cpu", "cores", "torch", "dtype", *key])
+             f"Full data of the latest run: {latest}.")
+    update_markdown(md_path, table, intro, row, cols, key=["cpu", "cores", "torch", "dtype", *key])
     return json_path, md_path
