@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast bench clean
+.PHONY: install run test test-fast bench browser clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,15 @@ run: $(STAMP)
 	@echo "Serving the embedded model (Ctrl-C stops it); the line below says how to call it."
 	$(VENV)/bin/llmrt serve --port $${PORT:-8000}
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q -ra
+
+# The dashboard test drives Debian's headless Chromium through chromedriver.
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver; \
+	fi
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
