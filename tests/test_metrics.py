@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from types import SimpleNamespace
 from typing import Any
 

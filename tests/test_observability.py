@@ -7,8 +7,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
-from pathlib import Path
 
 import httpx
 import pytest

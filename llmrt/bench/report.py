@@ -75,6 +75,14 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     return info
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): other work on the machine skews every figure."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def now_iso() -> str:
     """The current local time, seconds precision, ISO 8601."""
     return _dt.datetime.now().astimezone().isoformat(timespec="seconds")

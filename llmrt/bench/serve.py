@@ -29,7 +29,7 @@ import httpx
 from tqdm import tqdm
 
 from llmrt.bench.client import RequestResult, stream_completion
-from llmrt.bench.report import format_table, machine_info, now_iso, write_results
+from llmrt.bench.report import format_table, load_average, machine_info, now_iso, write_results
 
 _WORDS = ("time", "little", "girl", "park", "tree", "happy", "sun", "dog", "ball", "friend", "house", "red",
           "big", "play", "day", "cat", "bird", "water", "run", "smile")
@@ -367,6 +367,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = RunConfig(args.base_url, args.model, args.concurrency, args.request_rate, args.num_requests,
                     args.duration, args.seed, args.timeout)
     workload = Workload(prompt_lens, output_lens, args.prompt_format, token_range, args.seed)
+    load_start = load_average()
     pairs, start, end = asyncio.run(run_load(cfg, workload, progress=not args.no_progress))
     safe_model = args.model.replace("/", "_")
     mode = f"c{args.concurrency}" if args.concurrency else f"r{args.request_rate:g}"
@@ -377,7 +378,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "prompt_format": args.prompt_format, "token_range": list(token_range)},
         "summary": summarize(pairs, start, end, args.slo_ttft_ms, args.slo_tpot_ms),
         "throughput_over_time": throughput_series([r for _, r in pairs], start, end),
-        "machine": machine_info("client"), "requests": per_request(pairs, start),
+        "machine": machine_info("client"), "load_avg_1m": {"start": load_start, "end": load_average()},
+        "requests": per_request(pairs, start),
     }
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -401,6 +403,7 @@ def md_summary(result: dict[str, Any]) -> dict[str, Any]:
             "out tok/s": s["output_token_throughput"], "TTFT p50 ms": s["ttft"]["p50_ms"],
             "TTFT p99 ms": s["ttft"]["p99_ms"], "TPOT p50 ms": s["tpot"]["p50_ms"], "TPOT p99 ms": s["tpot"]["p99_ms"],
             "ITL p99 ms": s["itl"]["p99_ms"], "e2e p50 ms": s["e2e"]["p50_ms"], "goodput req/s": s["goodput"],
+            "load 1m": result["load_avg_1m"]["end"],
             "json": f"{result['name']}.json"}
 
 

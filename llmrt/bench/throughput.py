@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -30,7 +29,7 @@ import torch
 
 from llmrt.bench import random_model
 from llmrt.hardware import compute_dtype
-from llmrt.bench.report import format_table, machine_info, now_iso, write_results
+from llmrt.bench.report import format_table, load_average, machine_info, now_iso, write_results
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -496,14 +495,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           key=["model", "prompts", "in len", "out len", "hf prompts"])
     log(f"wrote {paths[0]} and {paths[1]}")
     return result
-
-
-def load_average() -> Optional[float]:
-    """The 1-minute load average (None where the OS has none): other work on the machine skews every figure."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
 
 
 def versions() -> dict[str, str]:

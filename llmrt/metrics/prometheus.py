@@ -99,6 +99,11 @@ class ServerMetrics:
         """Count one request answered with an error of this taxonomy code."""
         self.errors.labels(self.model_name, code).inc()
 
+    def observe_access_record(self, record: dict[str, Any]) -> None:
+        """Count the error of a finished request's access record (every error path notes its code there)."""
+        if record.get("error"):
+            self.observe_error(str(record["error"]))
+
     def exposition(self) -> bytes:
         """The Prometheus text format of every series."""
         return generate_latest(self.registry)

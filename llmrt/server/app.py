@@ -48,7 +48,7 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     metrics, _ = install_observability(app, state)
     app.add_middleware(ServerMiddleware, max_body_bytes=getattr(args, "max_body_bytes", None) or MAX_BODY_BYTES,
                        access_log=not getattr(args, "disable_access_log", False),
-                       on_finish=lambda record: record.get("error") and metrics.observe_error(record["error"]))
+                       on_finish=metrics.observe_access_record)
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=_streamed(P.CompletionStreamResponse),
               summary="Text completion (OpenAI legacy completions)")
