@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                            description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
-                                       "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version).")
+                                       "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version), "
+                                       "with Prometheus metrics at /metrics and a live dashboard at /dashboard.")
     serve.add_argument("model", nargs="?", default=None,
                        help=f"local HF checkpoint directory (default: the embedded {DEFAULT_MODEL_NAME})")
     from llmrt.server.launch import add_serve_arguments, run_server
