@@ -139,7 +139,7 @@ def test_dashboard_draws_in_headless_chromium(server):
     def load() -> None:
         while not stop.is_set():
             httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "Once upon a time",
-                                                         "max_tokens": 16, "ignore_eos": True}, timeout=60)
+                                                         "max_tokens": 16, "ignore_eos": True}, timeout=120)
 
     threads = [threading.Thread(target=load) for _ in range(2)]
     driver = _chromium()
@@ -159,7 +159,7 @@ def test_dashboard_draws_in_headless_chromium(server):
                 return ["batch", "requests", "kv", "ttft", "tpot"].every(any);
             """)
 
-        assert wait_until(drawn, timeout=60, interval=0.5), driver.execute_script(
+        assert wait_until(drawn, timeout=120, interval=0.5), driver.execute_script(
             "return JSON.stringify(Object.keys(window.llmrtCharts || {}))")
         # The canvases have pixels drawn on them (uPlot draws the series and axes into a canvas).
         painted = driver.execute_script("""
