@@ -1,4 +1,4 @@
-"""The `llmrt` command: generate, serve, bench (throughput, serve)."""
+"""The `llmrt` command: generate, serve, bench (throughput, serve, mixed, prefix, context), plan."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Any, Optional
 
-from llmrt.config import DEFAULT_MODEL_NAME
+from llmrt.config import DEFAULT_MODEL_NAME, PREEMPTION_MODES, SCHEDULING_POLICIES
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,12 +27,29 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default: 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step; long prompts are prefilled in chunks of at most this (default: 2048)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                   help="order of waiting work: fcfs; priority (the request's `priority`, lower first, may preempt "
+                        "lower priorities); short-first (fewest remaining prompt tokens, with aging); fair (token "
+                        "shares across the request's `user`) (default: fcfs)")
+    g.add_argument("--short-first-aging-steps", type=int, default=32,
+                   help="short-first: after waiting this many steps no later arrival passes a request (default: 32)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV of prompt blocks earlier requests computed (prefix caching is on by default)")
+    g.add_argument("--preemption-mode", default="recompute", choices=list(PREEMPTION_MODES),
+                   help="when KV blocks run out, a preempted sequence's KV is dropped and recomputed later, or "
+                        "swapped to host memory and back (default: recompute)")
+    g.add_argument("--swap-space", type=_bytes, default=4 << 30,
+                   help="host memory for swapped-out KV blocks with --preemption-mode swap, e.g. 4GiB (default: 4GiB)")
+    g.add_argument("--kv-watermark", type=float, default=0.01,
+                   help="fraction of KV blocks new admissions leave free, so running sequences can grow before "
+                        "anyone is preempted (default: 0.01)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags as LLM(...) keyword arguments."""
     keys = ("dtype", "device", "max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
-            "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens")
+            "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens", "scheduling_policy",
+            "short_first_aging_steps", "enable_prefix_caching", "preemption_mode", "swap_space", "kv_watermark")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -116,6 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_serve.add_arguments(srv)
     srv.set_defaults(func=lambda a: (bench_serve.run(a), 0)[1])
+    from llmrt.bench import serving
+
+    serving.add_subcommands(bench_sub)
+
+    plan = sub.add_parser("plan", help="memory breakdown and capacity for a model config, without weights",
+                          description="Print how weights, activations and KV blocks split a device's memory for "
+                                      "an HF config.json (a model directory or the file), and how many sequences "
+                                      "fit at each context length. Uses the engine's own formulas.")
+    from llmrt import plan as plan_cmd
+
+    plan_cmd.add_arguments(plan)
+    plan.set_defaults(func=plan_cmd.run)
     return parser
 
 

@@ -14,6 +14,9 @@ from llmrt.errors import InvalidRequestError, ModelLoadError, UnsupportedError
 DEFAULT_MODEL_DIR = Path(__file__).parent / "data" / "stories260K"
 DEFAULT_MODEL_NAME = "stories260K"
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "short-first", "fair")
+PREEMPTION_MODES = ("recompute", "swap")
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -26,6 +29,14 @@ def parse_dtype(name: str, hf_config: dict[str, Any]) -> torch.dtype:
     if name not in _DTYPES:
         raise InvalidRequestError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}", param="dtype")
     return _DTYPES[name]
+
+
+def context_limit(hf_config: dict[str, Any]) -> int:
+    """A model's own context limit from its config.json (2048 when it names none)."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(hf_config.get(key), int):
+            return int(hf_config[key])
+    return 2048
 
 
 @dataclass
@@ -68,11 +79,7 @@ class ModelConfig:
 
     def derived_max_len(self) -> int:
         """The model's own context limit from its config."""
-        c = self.hf_config
-        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-            if isinstance(c.get(key), int):
-                return int(c[key])
-        return 2048
+        return context_limit(self.hf_config)
 
     @property
     def architecture(self) -> str:
@@ -89,10 +96,14 @@ class CacheConfig:
     kv_cache_memory: Optional[int] = None  # bytes for KV blocks (CPU); None: a default budget
     gpu_memory_utilization: float = 0.9  # fraction of device memory llmrt may use (CUDA)
     num_gpu_blocks_override: Optional[int] = None  # fix the block count (tests, experiments)
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks that earlier requests computed
+    swap_space: int = 4 << 30  # bytes of host memory for KV blocks swapped out (preemption_mode swap only)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError("block_size must be a power of two >= 1", param="block_size")
+        if self.swap_space < 0:
+            raise InvalidRequestError("swap_space must be >= 0 bytes", param="swap_space")
         if not 0.05 <= self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError("gpu_memory_utilization must be in [0.05, 1]", param="gpu_memory_utilization")
 
@@ -103,13 +114,26 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"
+    policy: str = "fcfs"  # one of SCHEDULING_POLICIES
+    preemption_mode: str = "recompute"  # recompute | swap: what happens to a preempted sequence's KV
+    kv_watermark: float = 0.01  # fraction of KV blocks new admissions leave free for running sequences to grow
+    short_first_aging_steps: int = 32  # short-first: after this many steps waiting, nothing later passes a request
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_seqs must be >= 1", param="max_num_seqs")
         if self.max_num_batched_tokens < 1:
             raise InvalidRequestError("max_num_batched_tokens must be >= 1", param="max_num_batched_tokens")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise UnsupportedError(f"scheduling policy {self.policy!r} is not supported; supported: "
+                                   f"{', '.join(SCHEDULING_POLICIES)}", param="scheduling_policy")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise InvalidRequestError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; got "
+                                      f"{self.preemption_mode!r}", param="preemption_mode")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise InvalidRequestError("kv_watermark must be in [0, 1)", param="kv_watermark")
+        if self.short_first_aging_steps < 1:
+            raise InvalidRequestError("short_first_aging_steps must be >= 1", param="short_first_aging_steps")
 
 
 @dataclass

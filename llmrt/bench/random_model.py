@@ -38,14 +38,17 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "llmrt" / "random-models"
 
 
-def llama_config(size: str, dtype: str = "float32") -> Any:
-    """The LlamaConfig for a named size (see SIZES); initializer_range stays at its 0.02 default."""
+def llama_config(size: str, dtype: str = "float32", max_positions: int | None = None) -> Any:
+    """The LlamaConfig for a named size (see SIZES), optionally with a longer context (RoPE needs no
+    position weights, so only the limit changes); initializer_range stays at its 0.02 default."""
     from transformers import LlamaConfig
 
     if size not in SIZES:
         raise ValueError(f"unknown random model size {size!r}; choose from {', '.join(SIZES)}")
-    return LlamaConfig(**SIZES[size], bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-                       dtype=dtype)
+    dims = dict(SIZES[size])
+    if max_positions is not None:
+        dims["max_position_embeddings"] = max_positions
+    return LlamaConfig(**dims, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, dtype=dtype)
 
 
 def build_tokenizer(vocab_size: int, model_max_length: int) -> Any:
@@ -76,7 +79,8 @@ def _portable_tokenizer_config(path: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def build_random_llama(size: str, out_dir: str, dtype: str = "float32", seed: int = 0) -> str:
+def build_random_llama(size: str, out_dir: str, dtype: str = "float32", seed: int = 0,
+                       max_positions: int | None = None) -> str:
     """Write a random-weight Llama of the given size (and its tokenizer) to out_dir; return out_dir."""
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +88,7 @@ def build_random_llama(size: str, out_dir: str, dtype: str = "float32", seed: in
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
     if is_complete(out_dir):
         return str(out_dir)
-    cfg = llama_config(size, dtype)
+    cfg = llama_config(size, dtype, max_positions)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(_DTYPES[dtype])
     Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
@@ -102,7 +106,9 @@ def build_random_llama(size: str, out_dir: str, dtype: str = "float32", seed: in
     return str(out_dir)
 
 
-def cached_random_llama(size: str, dtype: str = "float32", cache_dir: str | None = None, seed: int = 0) -> str:
-    """Build once and reuse <cache_dir>/<size>-<dtype>; return its path."""
+def cached_random_llama(size: str, dtype: str = "float32", cache_dir: str | None = None, seed: int = 0,
+                        max_positions: int | None = None) -> str:
+    """Build once and reuse <cache_dir>/<size>-<dtype>[-ctx<max_positions>]; return its path."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    return build_random_llama(size, str(root / f"{size}-{dtype}"), dtype=dtype, seed=seed)
+    name = f"{size}-{dtype}" + (f"-ctx{max_positions}" if max_positions else "")
+    return build_random_llama(size, str(root / name), dtype=dtype, seed=seed, max_positions=max_positions)

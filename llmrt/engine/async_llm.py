@@ -103,7 +103,8 @@ class AsyncLLM:
 
     # -- requests --------------------------------------------------------------------------------------
     async def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str, *,
-                       priority: int = 0, timeout: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, timeout: Optional[float] = None,
+                       user: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after each step that changed it, until it finishes."""
         if self._dead is not None:
             raise self._dead
@@ -122,7 +123,7 @@ class AsyncLLM:
             self._last_progress = arrival  # idle until now is not a hang
         self._streams[request_id] = stream
         self.processor.add_request(request_id, text, ids, params, arrival)
-        self._inbox.put(("add", request_id, ids, params, arrival, priority, deadline))
+        self._inbox.put(("add", request_id, ids, params, arrival, priority, deadline, user))
         self.admission.submitted(len(ids))
         finished = False
         try:

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from llmrt.config import EngineConfig
-from llmrt.engine.kv_cache import BlockManager
+from llmrt.engine.kv_cache import BlockManager, HostBlockPool
 from llmrt.engine.model_runner import ModelRunner
 from llmrt.engine.request import Request
 from llmrt.engine.scheduler import EngineCoreOutput, Scheduler
@@ -49,8 +49,14 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config)
         self.memory = self.runner.initialize_kv_cache()
-        self.block_manager = BlockManager(self.memory.num_blocks, config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
+        # The extra key names what else shapes the KV besides the tokens (here: the weights and the KV dtype).
+        extra_key = f"{config.model.model}|{config.model.torch_dtype}".encode()
+        self.block_manager = BlockManager(self.memory.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching, extra_key)
+        host_pool = None
+        if config.scheduler.preemption_mode == "swap":
+            host_pool = HostBlockPool(self.runner.initialize_host_cache(config.cache.swap_space))
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len, host_pool)
         self.eos_token_ids = model_eos_token_ids(config)
         self.vocab_size = self.runner.vocab_size
         self.num_steps = 0
@@ -70,7 +76,7 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: Optional[float] = None, priority: int = 0,
-                    deadline: Optional[float] = None) -> None:
+                    deadline: Optional[float] = None, user: Optional[str] = None) -> None:
         """Validate and queue a request; raises an LLMRTError and changes nothing if it is bad.
 
         `deadline` is a time.monotonic() instant: a request not finished by then is dropped (queued ones
@@ -88,8 +94,8 @@ class EngineCore:
                 g = torch.Generator(device=self.runner.device)
                 g.manual_seed(_sample_seed(params.seed, i))
                 gens.append(g)
-        request = Request(request_id, prompt, params, arrival_time or time.monotonic(), max_tokens, priority, gens,
-                          deadline=deadline)
+        request = Request(request_id, prompt, params, arrival_time or time.monotonic(), max_tokens, priority, user,
+                          gens, deadline=deadline)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> list[EngineCoreOutput]:
@@ -110,6 +116,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return expired
+        # Before anything can fail: swap-outs queued by preemptions must copy their KV before it is reused.
+        self.runner.move_blocks(sched)
         try:
             if self.inject_oom_steps > 0:
                 self.inject_oom_steps -= 1

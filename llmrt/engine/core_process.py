@@ -13,7 +13,7 @@ from llmrt.errors import LLMRTError
 
 logger = logging.getLogger(__name__)
 
-# Messages in:  ("add", request_id, prompt_ids, params, arrival, priority, deadline) | ("abort", request_id)
+# Messages in:  ("add", request_id, prompt_ids, params, arrival, priority, deadline, user) | ("abort", request_id)
 #               ("finish", request_id, index) | ("fault", kind, seconds) | ("shutdown",)
 # Messages out: ("ready", EngineLimits, MemoryPlan) | ("failed", error) | ("step", outputs, EngineStats, time)
 #               ("reject", request_id, error)
@@ -48,9 +48,9 @@ def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: in
             if kind == "shutdown":
                 return
             if kind == "add":
-                _, request_id, prompt, params, arrival, priority, deadline = msg
+                _, request_id, prompt, params, arrival, priority, deadline, user = msg
                 try:
-                    core.add_request(request_id, prompt, params, arrival, priority, deadline)
+                    core.add_request(request_id, prompt, params, arrival, priority, deadline, user)
                 except LLMRTError as e:
                     outbox.put(("reject", request_id, e))
             elif kind == "abort":

@@ -33,11 +33,18 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None,
+                 user: Optional[Sequence[Optional[str]]] = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        `priority` and `user` (one per prompt) matter to the priority and fair scheduling policies.
+        """
         batch = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(batch))
-        ids = self._submit(batch, params)
+        for name, values in (("priority", priority), ("user", user)):
+            if values is not None and len(values) != len(batch):
+                raise InvalidRequestError(f"got {len(values)} {name} values for {len(batch)} prompts", param=name)
+        ids = self._submit(batch, params, priority, user)
         finished: dict[str, RequestOutput] = {}
         bar = _progress(len(ids), use_tqdm)
         while len(finished) < len(ids):
@@ -78,14 +85,16 @@ class LLM:
                 if state.finished:
                     return
 
-    def _submit(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+    def _submit(self, prompts: list[Prompt], params: list[SamplingParams], priority: Optional[Sequence[int]] = None,
+                user: Optional[Sequence[Optional[str]]] = None) -> list[str]:
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 text, token_ids = self.tokenizer.encode_prompt(prompt)
                 request_id = str(next(self._ids))
                 arrival = time.monotonic()
-                self.engine.add_request(request_id, token_ids, p, arrival)
+                self.engine.add_request(request_id, token_ids, p, arrival, priority[i] if priority else 0,
+                                        user=user[i] if user else None)
                 self.processor.add_request(request_id, text, token_ids, p, arrival)
                 ids.append(request_id)
         except Exception:

@@ -10,6 +10,7 @@ import torch
 
 from llmrt.config import EngineConfig
 from llmrt.errors import OutOfMemoryError
+from llmrt.engine.memory_plan import MemoryPlan, kv_budget_bytes, num_kv_blocks, parameter_bytes
 from llmrt.engine.scheduler import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from llmrt.hardware import device_memory_free_total, measure_peak_memory, tune_cpu_allocator
 from llmrt.model.layers.attention import AttentionMetadata, PrefillSpan
@@ -21,35 +22,6 @@ logger = logging.getLogger(__name__)
 
 _GiB = 1 << 30
 _DEFAULT_CPU_KV_BYTES = 2 * _GiB
-
-
-@dataclass
-class MemoryPlan:
-    """How device memory is split, as measured at start-up."""
-
-    weights_bytes: int
-    activation_peak_bytes: int
-    kv_bytes_per_token: int
-    block_size: int
-    num_blocks: int
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes of all KV blocks."""
-        return self.num_blocks * self.block_size * self.kv_bytes_per_token
-
-    @property
-    def max_tokens(self) -> int:
-        """Tokens the KV cache holds at once."""
-        return self.num_blocks * self.block_size
-
-    def describe(self) -> str:
-        """One log line."""
-        mib = 1 << 20
-        return (f"memory: weights {self.weights_bytes / mib:.1f} MiB, activation peak "
-                f"{self.activation_peak_bytes / mib:.1f} MiB, KV cache {self.kv_cache_bytes / mib:.1f} MiB "
-                f"= {self.num_blocks} blocks x {self.block_size} tokens x {self.kv_bytes_per_token} B/token "
-                f"(max {self.max_tokens} tokens)")
 
 
 @dataclass
@@ -81,11 +53,12 @@ class ModelRunner:
         self.kv_spec = self.model.kv_cache_spec()
         self.sampler = Sampler()
         self.memory: Optional[MemoryPlan] = None
+        self.host_cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (K, V) swap space
 
     # -- start-up --------------------------------------------------------------------------------------
     def weights_bytes(self) -> int:
         """Bytes of parameters (tied ones counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return parameter_bytes(self.model)
 
     @torch.inference_mode()
     def profile_activation_peak(self) -> int:
@@ -119,11 +92,11 @@ class ModelRunner:
         elif self.device.type == "cuda":
             _, total = device_memory_free_total(self.device)
             used_elsewhere = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            budget = int(total * cc.gpu_memory_utilization) - weights - activation - used_elsewhere
-            num_blocks = budget // block_bytes
+            budget = kv_budget_bytes(total, cc.gpu_memory_utilization, weights, activation, used_elsewhere)
+            num_blocks = num_kv_blocks(budget, per_token, self.block_size)
         else:
             budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else _DEFAULT_CPU_KV_BYTES
-            num_blocks = budget // block_bytes
+            num_blocks = num_kv_blocks(budget, per_token, self.block_size)
             if cc.kv_cache_memory is None:
                 # A default budget never allocates more than the scheduler could ever fill.
                 useful = self.config.scheduler.max_num_seqs * -(-self.config.model.max_model_len // self.block_size)
@@ -131,9 +104,24 @@ class ModelRunner:
         if num_blocks < 1:
             raise_oom(weights, activation, block_bytes)
         self._bind_cache(num_blocks)
-        self.memory = MemoryPlan(weights, activation, per_token, self.block_size, num_blocks)
+        max_len = int(self.config.model.max_model_len)
+        contexts = tuple(c for c in (1024, 4096, 16384) if c < max_len) + (max_len,)
+        self.memory = MemoryPlan(weights, activation, per_token, self.block_size, num_blocks, contexts)
         logger.info(self.memory.describe())
         return self.memory
+
+    def initialize_host_cache(self, swap_bytes: int) -> int:
+        """Allocate the host-memory pool swapped-out KV blocks go to (pinned on CUDA); return its block count."""
+        spec = self.kv_spec
+        num = swap_bytes // (spec.bytes_per_token(self.kv_dtype) * self.block_size)
+        shape = (num, self.block_size, spec.num_kv_heads, spec.head_dim)
+        pin = self.device.type == "cuda"
+        # torch.empty: pages are touched only when a block is swapped out, so an unused pool costs nothing.
+        self.host_cache = [(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin),
+                            torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
+                           for _ in self.model.attention_layers()]
+        logger.info("swap space: %d host blocks (%.1f MiB)", num, num * shape[1] * spec.bytes_per_token(self.kv_dtype) / (1 << 20))
+        return num
 
     def _bind_cache(self, num_blocks: int) -> None:
         spec = self.kv_spec
@@ -150,9 +138,9 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and sample for every sequence whose known tokens are now all computed."""
-        if out.block_copies:
-            self._copy_blocks(out.block_copies)
+        """Run one step and sample for every sequence whose known tokens are now all computed.
+
+        The step's block moves (`move_blocks`) must have run first."""
         batch = self._prepare(out)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         prompt_logprobs = {item.seq.seq_id: self._prompt_logprobs(item, hidden[start:start + rows])
@@ -183,6 +171,25 @@ class ModelRunner:
                     entry.setdefault(t, v)
             result.append(entry)
         return result
+
+    @torch.inference_mode()
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        """Swap-outs, then copy-on-write copies, then swap-ins: a block freed by a swap-out may be the
+        destination of a copy or a swap-in in the same step."""
+        if out.swap_out:
+            dev = torch.tensor([d for d, _ in out.swap_out], device=self.device)
+            host = torch.tensor([h for _, h in out.swap_out])
+            for layer, (hk, hv) in zip(self.model.attention_layers(), self.host_cache):
+                hk.index_copy_(0, host, layer.k_cache.index_select(0, dev).to("cpu"))
+                hv.index_copy_(0, host, layer.v_cache.index_select(0, dev).to("cpu"))
+        if out.block_copies:
+            self._copy_blocks(out.block_copies)
+        if out.swap_in:
+            host = torch.tensor([h for h, _ in out.swap_in])
+            dev = torch.tensor([d for _, d in out.swap_in], device=self.device)
+            for layer, (hk, hv) in zip(self.model.attention_layers(), self.host_cache):
+                layer.k_cache.index_copy_(0, dev, hk.index_select(0, host).to(self.device, non_blocking=True))
+                layer.v_cache.index_copy_(0, dev, hv.index_select(0, host).to(self.device, non_blocking=True))
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)

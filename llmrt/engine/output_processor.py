@@ -149,6 +149,7 @@ class OutputProcessor:
         if m.first_scheduled_time is None and out.first_scheduled_time is not None:
             m.first_scheduled_time = out.first_scheduled_time
         m.num_preemptions = max(m.num_preemptions, out.num_preemptions)
+        m.num_cached_tokens = max(m.num_cached_tokens, out.num_cached_tokens)
         if out.new_token_ids:
             if m.first_token_time is None:
                 m.first_token_time = out.timestamp

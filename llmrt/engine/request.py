@@ -28,7 +28,8 @@ class Request:
     params: SamplingParams
     arrival_time: float
     max_tokens: int  # resolved: params.max_tokens or what max_model_len leaves
-    priority: int = 0
+    priority: int = 0  # lower runs first under the priority policy
+    user: Optional[str] = None  # the OpenAI `user` field: the fair policy shares tokens across users
     generators: list[Optional[torch.Generator]] = field(default_factory=list, repr=False)
     sequences: list["Sequence"] = field(default_factory=list, repr=False)
     forked: bool = False  # whether samples 1..n-1 exist yet
@@ -36,6 +37,8 @@ class Request:
     num_preemptions: int = 0
     deadline: Optional[float] = None  # time.monotonic() instant after which the request is dropped
     prompt_logprobs: Optional[list] = None  # [None, {token: logprob, ...}, ...] when params.prompt_logprobs is set
+    arrival_order: int = 0  # set by the scheduler: ties between policies' ranks break by arrival
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -64,6 +67,15 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Optional[int] = None
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)  # prefix-cache names of full blocks
+    num_cached_blocks: int = 0  # leading blocks already named in the prefix cache
+    host_block_ids: list[int] = field(default_factory=list)  # swapped out: where its KV waits in host memory
+    queued_at_step: int = 0  # the scheduler step it last joined the waiting queue (aging)
+
+    @property
+    def is_swapped(self) -> bool:
+        """True while its KV lives in host memory (preempted by swap)."""
+        return bool(self.host_block_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from llmrt.config import SchedulerConfig
-from llmrt.engine.kv_cache import BlockManager
-from llmrt.engine.policies import make_policy
+from llmrt.engine.kv_cache import BlockManager, HostBlockPool
+from llmrt.engine.policies import WaitingQueue, make_policy
 from llmrt.engine.request import Request, Sequence, SequenceStatus
 
 
@@ -29,6 +29,9 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]]
     num_batched_tokens: int
     num_preempted: int = 0
+    # Block moves the runner does before the step, in this order: swap-outs, copies, swap-ins.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
     @property
     def is_empty(self) -> bool:
@@ -59,27 +62,39 @@ class EngineCoreOutput:
     num_preemptions: int = 0
     timestamp: float = field(default_factory=time.monotonic)
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # with a request's first token
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (with a request's first token)
 
 
 class Scheduler:
     """Decides each step which sequences run and how many tokens each computes."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 host_pool: Optional[HostBlockPool] = None):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
-        self.waiting = make_policy(config.policy)
+        self.policy = make_policy(config)
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
+        self.host_pool = host_pool if config.preemption_mode == "swap" else None
         self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.step = 0
         self.num_preemptions_total = 0
+        self.num_swaps_out = 0
+        self._swap_out: list[tuple[int, int]] = []  # preemptions since the last schedule() (e.g. after an OOM)
+        self._host_to_release: list[int] = []  # host blocks whose swap-in runs in the step being built
+        self.watermark_blocks = int(config.kv_watermark * block_manager.num_blocks)
 
     # -- admission -------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a validated request as its first sample."""
-        seq = Sequence(next(self._seq_ids), request, 0, list(request.prompt_token_ids))
+        seq = Sequence(next(self._seq_ids), request, 0, list(request.prompt_token_ids), queued_at_step=self.step)
+        request.arrival_order = next(self._arrivals)
         request.sequences.append(seq)
         self.requests[request.request_id] = request
+        self.policy.request_added(request)
         self.waiting.add(seq)
 
     def abort_request(self, request_id: str) -> list[EngineCoreOutput]:
@@ -88,7 +103,7 @@ class Scheduler:
         if request is None:
             return []
         outs = [self._finish(s, "abort") for s in request.sequences if not s.is_finished]
-        self.requests.pop(request_id, None)
+        self._forget(request_id)
         return outs
 
     def finish_sequence(self, request_id: str, index: int, reason: str = "stop") -> None:
@@ -100,26 +115,27 @@ class Scheduler:
             if s.index == index and not s.is_finished:
                 self._finish(s, reason)
         if request.is_finished():
-            self.requests.pop(request_id, None)
+            self._forget(request_id)
 
     def drop_expired(self, now: float) -> list[EngineCoreOutput]:
         """Finish every request whose deadline has passed with reason 'deadline' (queued ones cost no compute)."""
         outs: list[EngineCoreOutput] = []
         for request_id in [r for r, req in self.requests.items() if req.deadline is not None and req.deadline <= now]:
-            req = self.requests.pop(request_id)
+            req = self.requests[request_id]
             outs += [self._finish(s, "deadline") for s in req.sequences if not s.is_finished]
+            self._forget(request_id)
         return outs
 
     def shrink_after_oom(self, failed: SchedulerOutput) -> list[EngineCoreOutput]:
-        """A step ran out of memory: preempt the newest half of the batch, or fail a sequence that ran alone."""
+        """A step ran out of memory: preempt the policy's last half of the batch, or fail a sequence alone."""
         if len(self.running) > 1:
             for _ in range(len(self.running) // 2):
-                self._preempt(self.waiting.choose_victim(self.running))
+                self._preempt(self.policy.victim(self.running, self.step))
             return []
         outs = []
         for seq in list(self.running):
             outs.append(self._finish(seq, "error", "out_of_memory"))
-            self.requests.pop(seq.request.request_id, None)
+            self._forget(seq.request.request_id)
         return outs
 
     def has_unfinished(self) -> bool:
@@ -133,50 +149,54 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work: running sequences first, then waiting ones while budget and blocks last."""
+        """Pick this step's work: running decodes first, then prefill work (running chunks and waiting
+        sequences) in the policy's order, while the token budget, the batch slots and the blocks last."""
+        self.step += 1
+        self._release_host_blocks()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         copies: list[tuple[int, int]] = []
-        preempted = 0
-        bm = self.block_manager
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not bm.can_allocate(seq, n):
-                victim = self.waiting.choose_victim(self.running[i:])
-                self._preempt(victim)
-                preempted += 1
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # seq itself was preempted; running[i] is now the next one
-            copies += bm.allocate(seq, n)
-            scheduled.append(ScheduledSequence(seq, n, self._samples_after(seq, n)))
-            budget -= n
-            i += 1
-
-        # Admit waiting sequences only when nobody had to be preempted this step.
-        while not preempted and budget > 0 and len(self.waiting) > 0:
-            seq = self.waiting.peek()
-            extra = seq.request.params.n if seq.index == 0 and not seq.request.forked else 1
-            if len(self.running) + extra > self.config.max_num_seqs:
+        swap_in: list[tuple[int, int]] = []
+        done: set[int] = set()  # seq_ids scheduled this step: never preempted after that
+        just_preempted = self._preempt_for_waiting() if self.policy.preempts_for_waiting else set()
+        preempted = 0  # preemptions to let running sequences grow; they stop admissions this step
+        rank = lambda s: self.policy.rank(s, self.step)  # noqa: E731
+        decodes = sorted((s for s in self.running if s.num_tokens - s.num_computed_tokens == 1), key=rank)
+        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        work = decodes + sorted(prefills + [s for s in self.waiting if s not in just_preempted], key=rank)
+        admitting = True
+        for seq in work:
+            if budget <= 0:
                 break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not bm.can_allocate(seq, n):
-                break
-            self.waiting.pop()
-            copies += bm.allocate(seq, n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            if seq.request.first_scheduled_time is None:
-                seq.request.first_scheduled_time = time.monotonic()
+            if seq.status is SequenceStatus.RUNNING:
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                made_room, count = self._make_room(seq, n, done)
+                preempted += count
+                if not made_room:
+                    continue
+                copies += self.block_manager.allocate(seq, n)
+            elif admitting and not preempted:
+                admitted = self._admit(seq, budget, swap_in)
+                if admitted is None:
+                    admitting = False  # no one passes a sequence that does not fit: it would starve
+                    continue
+                n, new_copies = admitted
+                copies += new_copies
+            else:
+                continue
+            done.add(seq.seq_id)
             scheduled.append(ScheduledSequence(seq, n, self._samples_after(seq, n)))
+            self.policy.scheduled(seq, n)
             budget -= n
-
         used = self.config.max_num_batched_tokens - budget
-        return SchedulerOutput(scheduled, copies, used, preempted)
+        swap_out, self._swap_out = self._swap_out, []
+        return SchedulerOutput(scheduled, copies, used, preempted + len(just_preempted), swap_out, swap_in)
+
+    def _release_host_blocks(self) -> None:
+        """Return host blocks whose swap-in (or whose sequence's end) the previous step saw."""
+        if self.host_pool is not None and self._host_to_release:
+            self.host_pool.release(self._host_to_release)
+            self._host_to_release = []
 
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance sequences by what the step computed and sampled; finish those that hit a stop."""
@@ -190,6 +210,8 @@ class Scheduler:
                 have = seq.request.prompt_logprobs
                 have.extend(rows[len(have) - 1 - seq.num_computed_tokens:])  # a recompute repeats rows
             seq.num_computed_tokens += item.num_new_tokens
+            if not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)
             if not item.num_samples:
                 continue
             tokens = result.sampled_token_ids[k]
@@ -204,20 +226,92 @@ class Scheduler:
                 target.token_ids.append(token)
                 reason, stop = self._check_stop(target, token)
                 req = target.request
+                first = target.index == 0 and target.num_output_tokens == 1
                 outputs.append(EngineCoreOutput(
                     req.request_id, target.index, [token], [logprobs[j]] if logprobs else None, reason, stop,
                     req.first_scheduled_time, req.num_preemptions, now,
-                    req.prompt_logprobs if target.index == 0 and target.num_output_tokens == 1 else None,
+                    req.prompt_logprobs if first else None, req.num_cached_tokens if first else 0,
                 ))
                 if reason is not None:
                     self._finish(target, reason, stop)
         for req_id in {o.request_id for o in outputs if o.finish_reason}:
             req = self.requests.get(req_id)
             if req is not None and req.is_finished():
-                del self.requests[req_id]
+                self._forget(req_id)
         return outputs
 
     # -- helpers ---------------------------------------------------------------------------------------
+    def _make_room(self, seq: Sequence, n: int, done: set[int]) -> tuple[bool, int]:
+        """Preempt the policy's victims (never one already scheduled this step) until `seq`'s next `n` tokens
+        fit; (False, count) when `seq` itself was the victim."""
+        count = 0
+        while not self.block_manager.can_allocate(seq, n):
+            victim = self.policy.victim([s for s in self.running if s.seq_id not in done], self.step)
+            self._preempt(victim)
+            count += 1
+            if victim is seq:
+                return False, count
+        return True, count
+
+    def _admit(self, seq: Sequence, budget: int,
+               swap_in: list[tuple[int, int]]) -> Optional[tuple[int, list[tuple[int, int]]]]:
+        """Move a waiting sequence into the batch with its first `n` tokens, reusing its cached prefix or its
+        swapped-out KV; None (and nothing changed) if the batch slots or the blocks (above the watermark)
+        do not allow it."""
+        bm, req = self.block_manager, seq.request
+        extra = req.params.n if seq.index == 0 and not req.forked else 1
+        if len(self.running) + extra > self.config.max_num_seqs:
+            return None
+        reserve = self.watermark_blocks if self.running else 0  # alone, a sequence may use every block
+        copies: list[tuple[int, int]] = []
+        if seq.is_swapped:
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if bm.blocks_for(seq.num_computed_tokens + n) + reserve > bm.num_free_blocks:
+                return None
+            seq.block_ids = bm.take_fresh(len(seq.host_block_ids))
+            swap_in += list(zip(seq.host_block_ids, seq.block_ids))
+            self._host_to_release += seq.host_block_ids
+            seq.host_block_ids = []
+        else:
+            cached = [] if req.params.prompt_logprobs is not None else bm.match_prefix(seq)
+            computed = len(cached) * bm.block_size
+            n = min(seq.num_tokens - computed, budget)
+            fresh = bm.blocks_for(computed + n) - len(cached)
+            if fresh + bm.num_free_taken_by(cached) + reserve > bm.num_free_blocks:
+                return None
+            if cached:
+                bm.take_prefix(seq, cached)
+            if req.first_scheduled_time is None and seq.index == 0:
+                req.num_cached_tokens = computed
+                bm.record_lookup(req.num_prompt_tokens, computed)
+        copies += bm.allocate(seq, n)
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        return n, copies
+
+    def _preempt_for_waiting(self) -> set[Sequence]:
+        """Preempt running sequences the best waiting one outranks until it fits (priority scheduling)."""
+        victims: set[Sequence] = set()
+        if not len(self.waiting) or not self.running:
+            return victims
+        best = min(self.waiting, key=lambda s: self.policy.rank(s, self.step))
+        bm = self.block_manager
+        while self.running:
+            extra = best.request.params.n if best.index == 0 and not best.request.forked else 1
+            n = min(best.num_tokens - best.num_computed_tokens, self.config.max_num_batched_tokens)
+            need = bm.blocks_for(best.num_computed_tokens + n) + (self.watermark_blocks if self.running else 0)
+            if len(self.running) + extra <= self.config.max_num_seqs and need <= bm.num_free_blocks:
+                break
+            worst = self.policy.victim(self.running, self.step)
+            if not self.policy.outranks(best, worst):
+                break
+            self._preempt(worst)
+            victims.add(worst)
+        return victims
+
     def _samples_after(self, seq: Sequence, n: int) -> int:
         if seq.num_computed_tokens + n < seq.num_tokens:
             return 0
@@ -230,7 +324,7 @@ class Scheduler:
         children = []
         for index in range(1, n):
             child = Sequence(next(self._seq_ids), req, index, list(parent.token_ids),
-                             SequenceStatus.RUNNING, parent.num_computed_tokens)
+                             SequenceStatus.RUNNING, parent.num_computed_tokens, queued_at_step=parent.queued_at_step)
             self.block_manager.fork(parent, child)
             req.sequences.append(child)
             self.running.append(child)
@@ -249,13 +343,22 @@ class Scheduler:
         return None, None
 
     def _preempt(self, seq: Sequence) -> None:
+        """Take `seq` out of the batch: swap its KV to host memory (swap mode, when the pool has room) or
+        drop it to be recomputed; either way its device blocks are free when this returns."""
         self.running.remove(seq)
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        pool = self.host_pool
+        if pool is not None and seq.block_ids and pool.num_free_blocks >= len(seq.block_ids):
+            seq.host_block_ids = pool.take(len(seq.block_ids))
+            self._swap_out += list(zip(seq.block_ids, seq.host_block_ids))
+            self.num_swaps_out += 1
+            self.block_manager.free(seq)  # num_computed_tokens stays: the KV comes back on swap-in
+        else:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.add_preempted(seq)
+        self.waiting.add(seq)
 
     def _finish(self, seq: Sequence, reason: str, stop: Optional[object] = None) -> EngineCoreOutput:
         if seq.status is SequenceStatus.RUNNING:
@@ -263,8 +366,17 @@ class Scheduler:
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if seq.host_block_ids and self.host_pool is not None:
+            # Released after the next step is built: a swap-out queued before may still target these blocks.
+            self._host_to_release += seq.host_block_ids
+            seq.host_block_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop
         req = seq.request
         return EngineCoreOutput(req.request_id, seq.index, [], None, reason, stop, req.first_scheduled_time,
                                 req.num_preemptions)
+
+    def _forget(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.policy.request_finished(request)

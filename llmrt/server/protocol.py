@@ -54,7 +54,8 @@ class _SamplingFields(_Request):
     frequency_penalty: Optional[float] = Field(None, description="[-2, 2]")
     logit_bias: Optional[dict[str, float]] = Field(
         None, description="token id (as a string) -> bias in [-100, 100] added to its logit")
-    user: Optional[str] = Field(None, description="an end-user id, logged")
+    user: Optional[str] = Field(None, description="an end-user id, logged; the fair scheduling policy shares "
+                                                  "tokens across users")
     # extensions
     top_k: Optional[int] = Field(None, description="sample among the k likeliest; 0 or -1 is off")
     min_p: Optional[float] = Field(None, description="[0, 1]: drop tokens under min_p x the top probability")
@@ -102,10 +103,15 @@ class CompletionChoice(_Response):
     stop_reason: Union[int, str, None] = Field(None, description="the stop string or token id that ended the sample")
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = Field(0, description="prompt tokens whose KV the prefix cache supplied")
+
+
 class UsageInfo(_Response):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 class RequestTiming(_Response):

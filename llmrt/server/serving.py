@@ -150,14 +150,14 @@ class Generation:
 
     def __init__(self, engine: Any, prompts: list[Prompt], params: SamplingParams, base_id: str, *,
                  priority: int = 0, timeout: Optional[float] = None, default_timeout: Optional[float] = None,
-                 prompt_param: str = "prompt"):
+                 prompt_param: str = "prompt", user: Optional[str] = None):
         """`timeout` goes to the engine (None: the engine's default); `default_timeout` is that default.
 
         `prompt_param` is the API field the prompt came from: engine errors about the prompt name it.
         """
         self.prompt_param = prompt_param
         self.request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        self.gens = [engine.generate(p, params, rid, priority=priority, timeout=timeout)
+        self.gens = [engine.generate(p, params, rid, priority=priority, timeout=timeout, user=user)
                      for p, rid in zip(prompts, self.request_ids)]
         self.params = params
         limit = timeout if timeout is not None else default_timeout
@@ -237,7 +237,9 @@ class Generation:
     def usage(self) -> P.UsageInfo:
         prompt = sum(len(o.prompt_token_ids) for o in self.latest if o is not None)
         completion = sum(len(c.token_ids) for o in self.latest if o is not None for c in o.outputs)
-        return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        cached = sum(o.metrics.num_cached_tokens for o in self.latest if o is not None)
+        return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
 
     def log_into(self, record: dict[str, Any]) -> None:
         usage = self.usage()
@@ -593,7 +595,7 @@ async def create_completion(state: ServerState, req: P.CompletionRequest, reques
         echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
     prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
     texts = TokenTexts(tokenizer)
-    gen = Generation(state.engine, list(prompt_ids), params, response_id, priority=req.priority or 0,
+    gen = Generation(state.engine, list(prompt_ids), params, response_id, priority=req.priority or 0, user=req.user,
                      timeout=req.timeout, default_timeout=state.default_timeout)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -684,7 +686,7 @@ async def create_chat_completion(state: ServerState, req: P.ChatCompletionReques
     created = int(time.time())
     record.update(response_id=response_id, model=state.model_name, stream=bool(req.stream), user=req.user)
     texts = TokenTexts(tokenizer)
-    gen = Generation(state.engine, [prompt_ids], params, response_id, priority=req.priority or 0,
+    gen = Generation(state.engine, [prompt_ids], params, response_id, priority=req.priority or 0, user=req.user,
                      timeout=req.timeout, default_timeout=state.default_timeout, prompt_param="messages")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -1,0 +1,114 @@
+"""`llmrt plan`: the memory breakdown and capacity of a model on a device, from its config.json alone."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from llmrt.bench.report import format_table
+from llmrt.config import context_limit, parse_dtype
+from llmrt.engine.memory_plan import MemoryPlan, plan_memory
+from llmrt.errors import InvalidRequestError, ModelLoadError
+
+_GiB = 1 << 30
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The plan command's flags."""
+    from llmrt.cli import _bytes
+
+    p.add_argument("model", help="an HF model directory or its config.json (no weights needed)")
+    p.add_argument("--memory", type=_bytes, required=True, help="memory of one device, e.g. 80GiB or 24GB")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and compute dtype; auto takes the config's (default: auto)")
+    p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="KV-cache dtype (default: the weight dtype)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the model is split over (default: 1)")
+    p.add_argument("--context", default="1024,4096,32768",
+                   help="comma-separated context lengths to report capacity at (default: 1024,4096,32768)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the memory the engine may use, as `serve` (default: 0.9)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="the step token budget that sets the activation peak (default: 2048)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default: 64)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def load_hf_config(path: str) -> dict[str, Any]:
+    """config.json from a model directory or the file itself."""
+    p = Path(path)
+    cfg = p / "config.json" if p.is_dir() else p
+    if not cfg.is_file():
+        raise ModelLoadError(f"{path!r}: no config.json there")
+    return json.loads(cfg.read_text())
+
+
+def build_plan(args: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
+    """The plan for the parsed arguments, and the settings it assumed."""
+    hf = load_hf_config(args.model)
+    if args.tp < 1:
+        raise InvalidRequestError("--tp must be >= 1", param="tp")
+    try:
+        contexts = tuple(int(c) for c in str(args.context).split(",") if c.strip())
+    except ValueError:
+        raise InvalidRequestError(f"--context takes comma-separated integers, got {args.context!r}", param="context")
+    if not contexts or min(contexts) < 1:
+        raise InvalidRequestError("--context needs at least one positive length", param="context")
+    dtype = parse_dtype(args.dtype, hf)
+    kv_dtype = parse_dtype(args.kv_dtype, hf) if args.kv_dtype else dtype
+    limit = args.max_model_len or context_limit(hf)
+    plan = plan_memory(hf, memory_bytes=args.memory, dtype=dtype, kv_dtype=kv_dtype, tp=args.tp,
+                       block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs, max_model_len=limit,
+                       utilization=args.gpu_memory_utilization, contexts=contexts)
+    settings = dict(model=args.model, architecture=(hf.get("architectures") or [""])[0], memory_bytes=args.memory,
+                    utilization=args.gpu_memory_utilization, dtype=str(dtype).replace("torch.", ""),
+                    kv_dtype=str(kv_dtype).replace("torch.", ""), tp=args.tp, max_model_len=limit)
+    return plan, settings
+
+
+def verdict(plan: MemoryPlan, max_model_len: int) -> list[str]:
+    """What fits, in words."""
+    if plan.num_blocks == 0:
+        return ["does not fit: weights and the activation peak leave no room for a single KV block"]
+    lines = []
+    for c, n in plan.concurrency().items():
+        if c > max_model_len:
+            lines.append(f"{c} tokens: beyond the model's context of {max_model_len}")
+        elif n == 0:
+            lines.append(f"{c} tokens: does not fit (one sequence needs {c * plan.kv_bytes_per_token / _GiB:.2f} GiB "
+                         f"of KV, {plan.kv_cache_bytes / _GiB:.2f} GiB is left)")
+        else:
+            lines.append(f"{c} tokens: fits, up to {n} concurrent sequences")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan."""
+    plan, settings = build_plan(args)
+    if args.json:
+        print(json.dumps({**settings, **plan.as_dict(), "verdict": verdict(plan, settings["max_model_len"])},
+                         indent=2))
+        return 0
+    gib = lambda b: f"{b / _GiB:.3f}"  # noqa: E731
+    usable = int(args.memory * args.gpu_memory_utilization)
+    rows = [
+        {"item": "device memory x utilization", "GiB": gib(usable), "detail": f"{args.memory} B x {args.gpu_memory_utilization}"},
+        {"item": "weights", "GiB": gib(plan.weights_bytes), "detail": f"per rank, tp={args.tp}, {settings['dtype']}"},
+        {"item": "activation peak", "GiB": gib(plan.activation_peak_bytes),
+         "detail": f"a step of {min(args.max_num_batched_tokens, settings['max_model_len'])} tokens (estimate)"},
+        {"item": "KV cache", "GiB": gib(plan.kv_cache_bytes),
+         "detail": f"{plan.num_blocks} blocks x {plan.block_size} tokens x {plan.kv_bytes_per_token} B/token "
+                   f"({settings['kv_dtype']}) = {plan.max_tokens} tokens"},
+    ]
+    print(f"{settings['architecture']} ({settings['model']})")
+    print(format_table(rows, ["item", "GiB", "detail"]))
+    print()
+    cap = [{"context": c, "max concurrent sequences": n} for c, n in plan.concurrency().items()]
+    print(format_table(cap, ["context", "max concurrent sequences"]))
+    print()
+    print("\n".join(verdict(plan, settings["max_model_len"])))
+    return 0
