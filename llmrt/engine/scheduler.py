@@ -163,11 +163,11 @@ class Scheduler:
         rank = lambda s: self.policy.rank(s, self.step)  # noqa: E731
         decodes = sorted((s for s in self.running if s.num_tokens - s.num_computed_tokens == 1), key=rank)
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        work = decodes + sorted(prefills + [s for s in self.waiting if s not in just_preempted], key=rank)
+        prefills += [s for s in self.waiting if s not in just_preempted]
         admitting = True
-        for seq in work:
-            if budget <= 0:
-                break
+        while budget > 0 and (decodes or prefills):
+            # Ranks can change as work is scheduled (fair shares), so the next prefill is picked each time.
+            seq = decodes.pop(0) if decodes else prefills.pop(min(range(len(prefills)), key=lambda i: rank(prefills[i])))
             if seq.status is SequenceStatus.RUNNING:
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 made_room, count = self._make_room(seq, n, done)

@@ -1,0 +1,59 @@
+"""`llmrt plan` against what the engine measures and allocates, and the start-up breakdown."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from llmrt import LLM
+from llmrt.cli import main
+from llmrt.engine.memory_plan import MemoryPlan, plan_memory
+
+_MiB = 1 << 20
+
+
+def _within(a: float, b: float, tol: float) -> bool:
+    return abs(a - b) <= tol * max(abs(a), abs(b))
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gpt2"])
+def test_plan_matches_the_engine_within_five_percent(checkpoints, arch, caplog):
+    with caplog.at_level(logging.INFO, logger="llmrt.engine.model_runner"):
+        llm = LLM(str(checkpoints[arch]), dtype="float32", block_size=4, max_num_batched_tokens=64, max_num_seqs=16,
+                  kv_cache_memory=8 * _MiB)
+    engine: MemoryPlan = llm.engine.memory
+    assert "max concurrent sequences by context" in caplog.text
+    hf = json.loads((checkpoints[arch] / "config.json").read_text())
+    # The device `plan` is asked about is exactly as large as what the engine allocated in all.
+    plan = plan_memory(hf, memory_bytes=engine.total_bytes, dtype=torch.float32, block_size=4,
+                       max_num_batched_tokens=64, max_num_seqs=16, max_model_len=llm.config.model.max_model_len)
+    assert plan.weights_bytes == engine.weights_bytes  # counted on the same model classes, built on meta
+    assert plan.kv_bytes_per_token == engine.kv_bytes_per_token
+    assert _within(plan.activation_peak_bytes, engine.activation_peak_bytes, 0.10), \
+        (plan.activation_peak_bytes, engine.activation_peak_bytes)
+    assert _within(plan.num_blocks, engine.num_blocks, 0.05), (plan.num_blocks, engine.num_blocks)
+    assert _within(plan.total_bytes, engine.total_bytes, 0.05)
+    assert plan.max_concurrent_sequences(256) == pytest.approx(engine.max_concurrent_sequences(256), rel=0.05)
+
+
+def test_plan_cli_table_json_and_verdicts(checkpoints, capsys):
+    model = str(checkpoints["llama3"])
+    assert main(["plan", model, "--memory", "64MiB", "--dtype", "float32", "--context", "128,256,1024"]) == 0
+    text = capsys.readouterr().out
+    assert "weights" in text and "KV cache" in text and "max concurrent sequences" in text
+    assert "1024 tokens: beyond the model's context of 256" in text
+    assert main(["plan", str(checkpoints["llama3"] / "config.json"), "--memory", "64MiB", "--dtype", "float32",
+                 "--json", "--tp", "2", "--kv-dtype", "bfloat16"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # tp=2 halves the per-rank weights and KV heads (2 KV heads -> 1); bf16 halves the bytes per element.
+    assert data["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 2
+    assert data["num_blocks"] * data["block_size"] * data["kv_bytes_per_token"] == data["kv_cache_bytes"]
+    assert data["tp"] == 2 and data["kv_dtype"] == "bfloat16"
+
+
+def test_plan_says_when_nothing_fits(checkpoints, capsys):
+    assert main(["plan", str(checkpoints["gpt2"]), "--memory", "100KiB"]) == 0
+    assert "does not fit" in capsys.readouterr().out
+    assert main(["plan", str(checkpoints["gpt2"]), "--memory", "1GiB", "--context", "a,b"]) == 2
