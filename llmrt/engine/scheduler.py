@@ -266,7 +266,9 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         if seq.is_swapped:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if bm.blocks_for(seq.num_computed_tokens + n) + reserve > bm.num_free_blocks:
+            # After a failed (out-of-memory) step it may hold blocks for tokens it never computed.
+            need = max(len(seq.host_block_ids), bm.blocks_for(seq.num_computed_tokens + n))
+            if need + reserve > bm.num_free_blocks:
                 return None
             seq.block_ids = bm.take_fresh(len(seq.host_block_ids))
             swap_in += list(zip(seq.host_block_ids, seq.block_ids))
