@@ -182,3 +182,77 @@ def test_preemption_keeps_greedy_outputs(checkpoints, uncached, policy, mode):
         assert tight.engine.scheduler.num_swaps_out > 0
     bm = tight.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+# -- properties -----------------------------------------------------------------------------------------------
+from collections import Counter  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["new", "grow", "fork", "free"]), st.integers(0, 50),
+                              st.lists(st.integers(0, 2), min_size=1, max_size=9)), max_size=60),
+       num_blocks=st.integers(4, 16), block_size=st.sampled_from([1, 2, 4]))
+def test_random_cached_operations_keep_invariants(ops, num_blocks, block_size):
+    """Tokens from a 3-letter alphabet make prefixes collide often; ref counts, names and the free pool stay
+    consistent, and a block reached through the cache always holds the tokens its name says."""
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    content: dict[int, tuple] = {}  # block -> the tokens written into it (what its KV would be)
+    live: list[Seq] = []
+
+    def write(seq: Seq, start: int) -> None:
+        for i in range(start // block_size, bm.blocks_for(len(seq.token_ids))):
+            content[seq.block_ids[i]] = tuple(seq.token_ids[i * block_size:(i + 1) * block_size])
+
+    for op, pick, tokens in ops:
+        if op == "new" or not live:
+            seq = Seq(list(tokens))
+            cached = bm.match_prefix(seq)
+            need = bm.blocks_for(len(seq.token_ids)) - len(cached) + bm.num_free_taken_by(cached)
+            if need > bm.num_free_blocks:
+                continue
+            for i, b in enumerate(cached):  # what the cache hands out is what the prefix holds
+                assert content[b] == tuple(seq.token_ids[i * block_size:(i + 1) * block_size])
+            if cached:
+                bm.take_prefix(seq, cached)
+            start = seq.num_computed_tokens
+            for src, dst in bm.allocate(seq, len(seq.token_ids) - start):
+                content[dst] = content.get(src, ())
+            write(seq, start)
+            seq.num_computed_tokens = len(seq.token_ids)
+            bm.cache_full_blocks(seq)
+            live.append(seq)
+        elif op == "grow":
+            seq = live[pick % len(live)]
+            if not bm.can_allocate(seq, len(tokens)):
+                continue
+            start = seq.num_computed_tokens
+            for src, dst in bm.allocate(seq, len(tokens)):
+                content[dst] = content[src]
+            seq.token_ids += tokens
+            write(seq, start)
+            seq.num_computed_tokens = len(seq.token_ids)
+            bm.cache_full_blocks(seq)
+        elif op == "fork":
+            parent = live[pick % len(live)]
+            child = Seq(list(parent.token_ids), parent.num_computed_tokens)
+            bm.fork(parent, child)
+            live.append(child)
+        else:
+            bm.free(live.pop(pick % len(live)))
+        holders = Counter(b for s in live for b in s.block_ids)
+        free = bm.free_block_ids
+        assert len(free) == len(set(free)) and len(free) == bm.num_free_blocks
+        for b in range(num_blocks):
+            assert bm.ref_counts[b] == holders.get(b, 0)
+            assert (b in set(free)) == (holders.get(b, 0) == 0)
+        for h, b in bm.cached.items():
+            assert bm.block_hash[b] == h
+        for s in live:
+            for i in range(s.num_computed_tokens // block_size):  # full blocks hold their tokens
+                assert content[s.block_ids[i]] == tuple(s.token_ids[i * block_size:(i + 1) * block_size])
+    for s in live:
+        bm.free(s)
+    assert bm.num_free_blocks == num_blocks

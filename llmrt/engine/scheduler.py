@@ -369,7 +369,9 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         if seq.host_block_ids and self.host_pool is not None:
-            # Released after the next step is built: a swap-out queued before may still target these blocks.
+            # A swap-out still queued for it is moot; the blocks return to the pool when the next step starts.
+            dead = set(seq.host_block_ids)
+            self._swap_out = [(d, h) for d, h in self._swap_out if h not in dead]
             self._host_to_release += seq.host_block_ids
             seq.host_block_ids = []
         seq.status = SequenceStatus.FINISHED
