@@ -29,8 +29,8 @@ def make_scheduler(policy: str, *, num_blocks: int = 256, block_size: int = 4, m
 def add(s: Scheduler, rid: str, prompt_len: int, max_tokens: int, priority: int = 0,
         user: Optional[str] = None) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    req = Request(rid, [3 + (hash(rid) + i) % 500 for i in range(prompt_len)], params, 0.0, max_tokens, priority,
-                  user)
+    req = Request(rid, [3 + (sum(map(ord, rid)) + i) % 500 for i in range(prompt_len)], params, 0.0, max_tokens, priority,
+                  user=user)
     s.add_request(req)
     return req
 

@@ -94,8 +94,8 @@ class EngineCore:
                 g = torch.Generator(device=self.runner.device)
                 g.manual_seed(_sample_seed(params.seed, i))
                 gens.append(g)
-        request = Request(request_id, prompt, params, arrival_time or time.monotonic(), max_tokens, priority, user,
-                          gens, deadline=deadline)
+        request = Request(request_id, prompt, params, arrival_time or time.monotonic(), max_tokens, priority, gens,
+                          deadline=deadline, user=user)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> list[EngineCoreOutput]:

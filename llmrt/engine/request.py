@@ -29,7 +29,6 @@ class Request:
     arrival_time: float
     max_tokens: int  # resolved: params.max_tokens or what max_model_len leaves
     priority: int = 0  # lower runs first under the priority policy
-    user: Optional[str] = None  # the OpenAI `user` field: the fair policy shares tokens across users
     generators: list[Optional[torch.Generator]] = field(default_factory=list, repr=False)
     sequences: list["Sequence"] = field(default_factory=list, repr=False)
     forked: bool = False  # whether samples 1..n-1 exist yet
@@ -39,6 +38,7 @@ class Request:
     prompt_logprobs: Optional[list] = None  # [None, {token: logprob, ...}, ...] when params.prompt_logprobs is set
     arrival_order: int = 0  # set by the scheduler: ties between policies' ranks break by arrival
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
+    user: Optional[str] = None  # the OpenAI `user` field: the fair policy shares tokens across users
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
