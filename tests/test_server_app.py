@@ -40,7 +40,7 @@ class FakeEngine:
         self.hang = False  # never produce an output, like a stalled engine core
 
     async def generate(self, prompt, params: SamplingParams, request_id: str, *, priority: int = 0,
-                       timeout: Optional[float] = None):
+                       timeout: Optional[float] = None, user: Optional[str] = None):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -52,7 +52,7 @@ class FakeEngine:
         if self.admission_error is not None:
             raise self.admission_error
         self.calls.append({"prompt": ids, "params": params, "id": request_id, "priority": priority,
-                           "timeout": timeout})
+                           "timeout": timeout, "user": user})
         proc = OutputProcessor(self.tokenizer)
         state = proc.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                                  time.monotonic())
@@ -142,7 +142,8 @@ def test_completion_shape_and_usage(client, engine):
     assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
     assert choice["text"] == _script_text(engine, 7, "Hello there")
     n_prompt = len(engine.tokenizer.encode("Hello there"))
-    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 7, "total_tokens": n_prompt + 7}
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 7, "total_tokens": n_prompt + 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert r.headers["x-request-id"]
 
 
@@ -168,7 +169,7 @@ def test_sampling_fields_reach_the_engine(client, engine):
     p: SamplingParams = call["params"]
     assert (p.temperature, p.top_p, p.seed, p.stop, p.top_k, p.min_p) == (0.5, 0.9, 7, ["zz"], 3, 0.1)
     assert p.logit_bias == {42: 5.0} and p.ignore_eos and p.min_tokens == 1 and p.repetition_penalty == 1.1
-    assert (call["priority"], call["timeout"]) == (2, 9.5)
+    assert (call["priority"], call["timeout"], call["user"]) == (2, 9.5, "u")
 
 
 def test_echo_and_legacy_logprobs(client, engine):
