@@ -133,9 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_serve.add_arguments(srv)
     srv.set_defaults(func=lambda a: (bench_serve.run(a), 0)[1])
-    from llmrt.bench import serving
+    from llmrt.bench import workloads
 
-    serving.add_subcommands(bench_sub)
+    workloads.add_subcommands(bench_sub)
 
     plan = sub.add_parser("plan", help="memory breakdown and capacity for a model config, without weights",
                           description="Print how weights, activations and KV blocks split a device's memory for "

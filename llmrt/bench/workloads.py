@@ -1,4 +1,4 @@
-"""Serving benchmarks against real `llmrt serve` processes: scheduling policies on a mixed workload, prefix
+"""Scheduling and caching workloads against real `llmrt serve` processes: scheduling policies on a mixed workload, prefix
 caching on a shared system prompt, and decode time per token against context length.
 
 Each configuration runs in its own server (started here on 127.0.0.1 with a free port) and the variants of one
@@ -24,7 +24,7 @@ import httpx
 
 from llmrt.bench import random_model
 from llmrt.bench.client import RequestResult, stream_completion
-from llmrt.bench.report import format_table, machine_info, now_iso, write_results
+from llmrt.bench.report import format_table, load_average, machine_info, now_iso, write_results
 
 
 def log(msg: str) -> None:
@@ -178,7 +178,7 @@ def run_mixed(args: argparse.Namespace) -> dict[str, Any]:
     workload = {k: getattr(args, k) for k in ("num_long", "long_prompt", "long_output", "num_short", "short_prompt",
                                               "short_output", "short_start", "short_interval",
                                               "max_num_batched_tokens", "max_num_seqs", "seed")}
-    result = {"date": now_iso(), "machine": machine_info(), "load_average": _load(), "dtype": "float32",
+    result = {"date": now_iso(), "machine": machine_info(), "load_average": load_average(), "dtype": "float32",
               "model": args.model or f"random-{args.random_model}", "workload": workload, "rows": rows}
     if not args.no_write:
         for row in rows:
@@ -232,7 +232,7 @@ def run_prefix(args: argparse.Namespace) -> dict[str, Any]:
     print("TTFT speed-up with prefix caching: " + ", ".join(f"{k} {v:.2f}x" for k, v in speedup.items()))
     workload = {k: getattr(args, k) for k in ("num_requests", "prefix_len", "suffix_len", "output_len", "interval",
                                               "max_num_seqs", "seed")}
-    result = {"date": now_iso(), "machine": machine_info(), "load_average": _load(), "dtype": "float32",
+    result = {"date": now_iso(), "machine": machine_info(), "load_average": load_average(), "dtype": "float32",
               "model": args.model or f"random-{args.random_model}", "workload": workload, "rows": rows,
               "ttft_speedup": speedup}
     if not args.no_write:
@@ -276,7 +276,7 @@ def run_context(args: argparse.Namespace) -> dict[str, Any]:
     for row in rows:
         row["tpot_vs_first"] = row["tpot_ms"] / base
     print(format_table(rows, ["context", "ttft_s", "tpot_ms", "itl_p50_ms", "tpot_vs_first"]))
-    result = {"date": now_iso(), "machine": machine_info(), "load_average": _load(), "dtype": "float32",
+    result = {"date": now_iso(), "machine": machine_info(), "load_average": load_average(), "dtype": "float32",
               "model": args.model or f"random-{args.random_model}", "output_len": args.output_len, "rows": rows}
     if not args.no_write:
         for row in rows:
@@ -285,13 +285,6 @@ def run_context(args: argparse.Namespace) -> dict[str, Any]:
                                    "vs shortest": row["tpot_vs_first"], "TTFT s": row["ttft_s"]},
                           key=["context"])
     return result
-
-
-def _load() -> Optional[float]:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
 
 
 def add_subcommands(sub: Any) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from llmrt.bench.random_model import cached_random_llama
-from llmrt.bench.serving import pct
+from llmrt.bench.workloads import pct
 from llmrt.cli import main
 
 
