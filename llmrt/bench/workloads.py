@@ -115,6 +115,8 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
     p.add_argument("--output-dir", default="benchmarks", help="where JSON + Markdown results go (default: benchmarks)")
     p.add_argument("--no-write", action="store_true", help="print only, write no files")
+    p.add_argument("--request-timeout", type=float, default=1800.0,
+                   help="seconds the client waits on a response before counting it failed (default: 1800)")
 
 
 # -- mixed workload: policies ---------------------------------------------------------------------------------
@@ -129,10 +131,13 @@ async def _mixed_run(url: str, model: str, args: argparse.Namespace, priority_fi
         base = url + "/v1"
         extra_long = {"priority": 1} if priority_field else None
         extra_short = {"priority": 0} if priority_field else None
-        tasks = [_timed(0.0, lambda p=p: stream_completion(client, base, model, p, args.long_output, extra=extra_long))
+        t = args.request_timeout
+        tasks = [_timed(0.0, lambda p=p: stream_completion(client, base, model, p, args.long_output, extra=extra_long,
+                                                            timeout=t))
                  for p in longs]
         tasks += [_timed(args.short_start + i * args.short_interval,
-                         lambda p=p: stream_completion(client, base, model, p, args.short_output, extra=extra_short))
+                         lambda p=p: stream_completion(client, base, model, p, args.short_output, extra=extra_short,
+                                                       timeout=t))
                   for i, p in enumerate(shorts)]
         start = time.perf_counter()
         results = await asyncio.gather(*tasks)
@@ -199,7 +204,8 @@ async def _prefix_run(url: str, model: str, args: argparse.Namespace, vocab: int
     system = random_prompt(rng, args.prefix_len, vocab)
     prompts = [system + random_prompt(rng, args.suffix_len, vocab) for _ in range(args.num_requests)]
     async with httpx.AsyncClient(timeout=None) as client:
-        tasks = [_timed(i * args.interval, lambda p=p: stream_completion(client, url + "/v1", model, p, args.output_len))
+        tasks = [_timed(i * args.interval, lambda p=p: stream_completion(client, url + "/v1", model, p, args.output_len,
+                                                                         timeout=args.request_timeout))
                  for i, p in enumerate(prompts)]
         start = time.perf_counter()
         results = await asyncio.gather(*tasks)
@@ -246,9 +252,9 @@ def run_prefix(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- decode time per token against context length ---------------------------------------------------------------
-async def _context_run(url: str, model: str, prompt: list[int], output_len: int) -> RequestResult:
+async def _context_run(url: str, model: str, prompt: list[int], output_len: int, timeout: float) -> RequestResult:
     async with httpx.AsyncClient(timeout=None) as client:
-        return await stream_completion(client, url + "/v1", model, prompt, output_len)
+        return await stream_completion(client, url + "/v1", model, prompt, output_len, timeout=timeout)
 
 
 def run_context(args: argparse.Namespace) -> dict[str, Any]:
@@ -265,7 +271,8 @@ def run_context(args: argparse.Namespace) -> dict[str, Any]:
                "--kv-cache-memory", kv_bytes, "--no-prefix-caching") as url:
         for ctx in contexts:
             log(f"context {ctx}")
-            r = asyncio.run(_context_run(url, "bench", random_prompt(rng, ctx, vocab_size(model_dir)), args.output_len))
+            r = asyncio.run(_context_run(url, "bench", random_prompt(rng, ctx, vocab_size(model_dir)), args.output_len,
+                                          args.request_timeout))
             if not r.ok:
                 raise RuntimeError(f"context {ctx}: {r.error}")
             itls = r.itls
