@@ -5,11 +5,12 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput", "RequestMetrics"]
 
 _EXPORTS = {
     "LLM": "llmrt.engine.llm", "SamplingParams": "llmrt.sampling_params", "RequestOutput": "llmrt.outputs",
     "CompletionOutput": "llmrt.outputs", "RequestMetrics": "llmrt.outputs",
+    "StructuredOutputs": "llmrt.structured.spec",
 }
 
 

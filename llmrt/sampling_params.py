@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from llmrt.errors import InvalidRequestError
+from llmrt.structured.spec import StructuredOutputs
 
 _MAX_LOGPROBS = 20
 
@@ -32,6 +33,8 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding: the output must match this (a dict of StructuredOutputs fields is accepted too).
+    structured: Optional[StructuredOutputs] = None
 
     # Filled in by the engine from the model, not by the user.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
@@ -43,6 +46,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured, dict):
+            self.structured = StructuredOutputs(**self.structured)
         self.validate()
 
     def validate(self) -> None:
@@ -90,6 +95,14 @@ class SamplingParams:
                     raise bad("logit_bias", f"keys must be token ids, got {tok!r}")
                 if not -100.0 <= float(bias) <= 100.0:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {bias!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutputs):
+                raise bad("structured", f"must be a StructuredOutputs, got {type(self.structured).__name__}")
+            # A grammar ends only at EOS, so EOS must stay allowed wherever the grammar may end.
+            if self.ignore_eos:
+                raise bad("ignore_eos", "cannot be combined with structured output (a grammar ends at EOS)")
+            if self.min_tokens:
+                raise bad("min_tokens", "cannot be combined with structured output (a grammar ends at EOS)")
 
     @property
     def greedy(self) -> bool:

@@ -20,6 +20,7 @@ from llmrt.errors import (CancelledError, DeadlineExceededError, EngineDeadError
                           OutOfMemoryError, UnsupportedError)
 from llmrt.outputs import RequestOutput
 from llmrt.sampling_params import SamplingParams
+from llmrt.structured.backend import validate_structured
 from llmrt.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ class AsyncLLM:
                  health_step_timeout: float = 30.0, default_timeout: Optional[float] = None,
                  enable_fault_injection: bool = False):
         self.config = config
-        self.tokenizer: Tokenizer = load_tokenizer(tokenizer or config.model.model, chat_template)
+        self.tokenizer_path = tokenizer or config.model.model
+        self.tokenizer: Tokenizer = load_tokenizer(self.tokenizer_path, chat_template)
         self.model_name = str(config.model.served_model_name)
         self.max_model_len = int(config.model.max_model_len)
         self.health_step_timeout = health_step_timeout
@@ -72,7 +74,8 @@ class AsyncLLM:
         ctx = mp.get_context("spawn")
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
         self._proc = ctx.Process(target=run_engine_core, name="llmrt-engine-core", daemon=True,
-                                 args=(self.config, self._inbox, self._outbox, logging.getLogger().getEffectiveLevel()))
+                                 args=(self.config, self._inbox, self._outbox, logging.getLogger().getEffectiveLevel(),
+                                       self.tokenizer_path))
         self._proc.start()
         self._loop = asyncio.get_running_loop()
         msg = await self._loop.run_in_executor(None, self._wait_ready)
@@ -112,6 +115,8 @@ class AsyncLLM:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         text, ids = self.tokenizer.encode_prompt(prompt)
         validate_request(ids, params, self.limits)
+        if params.structured is not None:
+            validate_structured(params.structured)  # a grammar that cannot compile is refused before queueing
         self.admission.admit(self._stats, len(ids))
         timeout = timeout if timeout is not None else self.default_timeout
         if timeout is not None and timeout <= 0:

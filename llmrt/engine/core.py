@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import logging
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -18,6 +18,7 @@ from llmrt.engine.request import Request
 from llmrt.engine.scheduler import EngineCoreOutput, Scheduler
 from llmrt.errors import ContextLengthExceededError, InvalidRequestError
 from llmrt.sampling_params import SamplingParams
+from llmrt.structured.backend import StructuredBackend
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ def _sample_seed(seed: int, index: int) -> int:
 class EngineCore:
     """Owns the scheduler, the block manager and the model runner; sees tokens, never text."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tokenizer: Any = None):
+        """`tokenizer`: a HF tokenizer or its directory (default: the model's), read only for structured output."""
         self.config = config
         self.runner = ModelRunner(config)
         self.memory = self.runner.initialize_kv_cache()
@@ -59,6 +61,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len, host_pool)
         self.eos_token_ids = model_eos_token_ids(config)
         self.vocab_size = self.runner.vocab_size
+        self.structured = StructuredBackend(tokenizer or config.model.model, self.vocab_size, self.eos_token_ids)
         self.num_steps = 0
         self.last_step_tokens = 0
         self.last_step_seqs = 0
@@ -94,8 +97,11 @@ class EngineCore:
                 g = torch.Generator(device=self.runner.device)
                 g.manual_seed(_sample_seed(params.seed, i))
                 gens.append(g)
+        grammar = None
+        if params.structured is not None:  # compiled (or found in the cache) before anything is queued
+            grammar = self.structured.new_grammar(self.structured.compile(params.structured))
         request = Request(request_id, prompt, params, arrival_time or time.monotonic(), max_tokens, priority, gens,
-                          deadline=deadline, user=user)
+                          deadline=deadline, user=user, grammar=grammar)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> list[EngineCoreOutput]:

@@ -19,13 +19,17 @@ logger = logging.getLogger(__name__)
 #               ("reject", request_id, error)
 
 
-def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: int = logging.WARNING) -> None:
-    """Process entry point: build the EngineCore, then loop: take messages, step while there is work."""
+def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: int = logging.WARNING,
+                    tokenizer: Any = None) -> None:
+    """Process entry point: build the EngineCore, then loop: take messages, step while there is work.
+
+    `tokenizer` is the tokenizer directory (default: the model's); the core reads it only to compile grammars.
+    """
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s[core]: %(message)s")
     from llmrt.engine.core import EngineCore
 
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, tokenizer)
     except BaseException as e:  # the front end re-raises it; nothing else can be done here
         outbox.put(("failed", e if isinstance(e, LLMRTError) else RuntimeError(f"{type(e).__name__}: {e}")))
         return

@@ -23,7 +23,7 @@ class LLM:
                  chat_template: Optional[str] = None, **engine_options: Any):
         self.config = EngineConfig.create(model, dtype=dtype, **engine_options)
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer or self.config.model.model, chat_template)
-        self.engine = EngineCore(self.config)
+        self.engine = EngineCore(self.config, self.tokenizer.hf)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

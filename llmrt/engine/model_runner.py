@@ -17,6 +17,7 @@ from llmrt.model.layers.attention import AttentionMetadata, PrefillSpan
 from llmrt.model.layers.sampler import Sampler, SamplingMetadata
 from llmrt.model.loader import load_model
 from llmrt.sampling_params import SamplingParams
+from llmrt.structured.backend import allocate_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +267,25 @@ class ModelRunner:
                 prompts.append(req.prompt_token_ids)
                 outputs.append(seq.output_token_ids)
                 gens.append(req.generators[j] if item.num_samples > 1 and req.generators else seq.generator)
-        return SamplingMetadata.build(params, prompts, outputs, gens, self.vocab_size, self.device)
+        bitmask, rows = self._token_bitmask(items, len(params))
+        return SamplingMetadata.build(params, prompts, outputs, gens, self.vocab_size, self.device, bitmask, rows)
+
+    def _token_bitmask(self, items: list[ScheduledSequence], num_rows: int) -> tuple[Optional[torch.Tensor], list[int]]:
+        """Each constrained row's allowed tokens from its sequence's grammar; None when no row is constrained."""
+        if not any(item.seq.grammar is not None for item in items):
+            return None, []
+        bitmask = allocate_bitmask(num_rows, self.vocab_size)
+        rows: list[int] = []
+        row = 0
+        for item in items:
+            grammar = item.seq.grammar
+            if grammar is not None:
+                grammar.fill_bitmask(bitmask, row)
+                # The n samples of a first step all start from sample 0's state: the same row.
+                bitmask[row + 1:row + item.num_samples] = bitmask[row]
+                rows.extend(range(row, row + item.num_samples))
+            row += item.num_samples
+        return bitmask, rows
 
     def _collect(self, items: list[ScheduledSequence], result) -> ModelRunnerOutput:  # type: ignore[no-untyped-def]
         tokens = result.sampled_token_ids.tolist()

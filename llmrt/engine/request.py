@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -39,6 +39,7 @@ class Request:
     arrival_order: int = 0  # set by the scheduler: ties between policies' ranks break by arrival
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
     user: Optional[str] = None  # the OpenAI `user` field: the fair policy shares tokens across users
+    grammar: Any = None  # the SequenceGrammar sample 0 starts with, when params.structured is set
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -71,6 +72,7 @@ class Sequence:
     num_cached_blocks: int = 0  # leading blocks already named in the prefix cache
     host_block_ids: list[int] = field(default_factory=list)  # swapped out: where its KV waits in host memory
     queued_at_step: int = 0  # the scheduler step it last joined the waiting queue (aging)
+    grammar: Any = None  # its SequenceGrammar (llmrt.structured), advanced with every sampled token
 
     @property
     def is_swapped(self) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -10,6 +11,8 @@ from llmrt.config import SchedulerConfig
 from llmrt.engine.kv_cache import BlockManager, HostBlockPool
 from llmrt.engine.policies import WaitingQueue, make_policy
 from llmrt.engine.request import Request, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,7 +93,8 @@ class Scheduler:
     # -- admission -------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a validated request as its first sample."""
-        seq = Sequence(next(self._seq_ids), request, 0, list(request.prompt_token_ids), queued_at_step=self.step)
+        seq = Sequence(next(self._seq_ids), request, 0, list(request.prompt_token_ids), queued_at_step=self.step,
+                       grammar=request.grammar)
         request.arrival_order = next(self._arrivals)
         request.sequences.append(seq)
         self.requests[request.request_id] = request
@@ -225,6 +229,10 @@ class Scheduler:
             for j, (target, token) in enumerate(zip(targets, tokens)):
                 target.token_ids.append(token)
                 reason, stop = self._check_stop(target, token)
+                if target.grammar is not None and not target.grammar.accept(token):
+                    # Cannot happen while the sampler applies the bitmask; never emit what breaks the grammar.
+                    logger.error("request %s: token %d is outside its grammar", target.request.request_id, token)
+                    reason, stop = "abort", None
                 req = target.request
                 first = target.index == 0 and target.num_output_tokens == 1
                 outputs.append(EngineCoreOutput(
@@ -326,7 +334,8 @@ class Scheduler:
         children = []
         for index in range(1, n):
             child = Sequence(next(self._seq_ids), req, index, list(parent.token_ids),
-                             SequenceStatus.RUNNING, parent.num_computed_tokens, queued_at_step=parent.queued_at_step)
+                             SequenceStatus.RUNNING, parent.num_computed_tokens, queued_at_step=parent.queued_at_step,
+                             grammar=parent.grammar.fork() if parent.grammar is not None else None)
             self.block_manager.fork(parent, child)
             req.sequences.append(child)
             self.running.append(child)

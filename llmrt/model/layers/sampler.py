@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Optional
 
@@ -10,6 +10,7 @@ import torch
 
 from llmrt.errors import InvalidRequestError
 from llmrt.sampling_params import SamplingParams
+from llmrt.structured.backend import apply_token_bitmask
 
 
 # Top-p rows first try the nucleus inside their top this-many tokens; a CPU topk that size costs
@@ -55,6 +56,9 @@ class SamplingMetadata:
     min_tokens_block: Optional[torch.Tensor]  # positions to set to -inf (stop ids before min_tokens)
     repetition: Optional[tuple[torch.Tensor, torch.Tensor]]  # (positions seen in prompt or output, penalty)
     output_penalty: Optional[tuple[torch.Tensor, torch.Tensor]]  # (generated positions, presence + frequency*count)
+    # Constrained decoding: [S, ceil(V / 32)] int32 allowed-token bits, read only in `bitmask_rows`.
+    token_bitmask: Optional[torch.Tensor] = None
+    bitmask_rows: list[int] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -65,8 +69,10 @@ class SamplingMetadata:
         generators: list[Optional[torch.Generator]],
         vocab_size: int,
         device: torch.device,
+        token_bitmask: Optional[torch.Tensor] = None,
+        bitmask_rows: Optional[list[int]] = None,
     ) -> "SamplingMetadata":
-        """Gather one step's per-row params into tensors on `device`."""
+        """Gather one step's per-row params into tensors on `device` (the bitmask, if any, as given)."""
         num_rows, V = len(params), vocab_size
         greedy, top_p_rows, plain = [], [], []
         by_k: dict[int, list[int]] = {}
@@ -132,6 +138,8 @@ class SamplingMetadata:
             min_tokens_block=column(block_pos, torch.long) if block_pos else None,
             repetition=repetition,
             output_penalty=output_penalty,
+            token_bitmask=token_bitmask if bitmask_rows else None,
+            bitmask_rows=list(bitmask_rows or []),
         )
 
 
@@ -152,6 +160,11 @@ class Sampler(torch.nn.Module):
         logits = logits.float()
         raw = logits  # logprobs describe the model's own distribution, before any penalty or temperature
         logits = _apply_processors(logits, meta)
+        if meta.token_bitmask is not None:
+            # After the processors (no bias can re-allow a token), before temperature and top-k/p/min-p.
+            if logits is raw:
+                logits = logits.clone()
+            apply_token_bitmask(logits, meta.token_bitmask, meta.bitmask_rows)
 
         if meta.greedy_rows is not None and len(meta.greedy_rows.rows) == meta.num_rows:
             sampled = logits.argmax(dim=-1)
