@@ -312,9 +312,20 @@ def test_bad_completion_requests(client, body, param, code):
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "invalid_request"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs",
      "invalid_request"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "unsupported"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     "response_format", "unsupported"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "invalid_request"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
+                                                                          "json_schema": {"name": "x"}}},
+     "response_format", "invalid_request"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "response_format", "invalid_request"),
+    ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs", "invalid_request"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "invalid_request"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function", "function": {"name": "f"}},
+      "tools": [{"type": "function", "function": {"name": "g"}}]}, "tool_choice", "invalid_request"),
+    # auto needs a parser: the embedded chat template shows no tool-call format and no --tool-call-parser is set
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "g"}}]},
+     "tool_choice", "unsupported"),
 ])
 def test_bad_chat_requests(client, body, param, code):
     _assert_error(client.post("/v1/chat/completions", json=body), 400, code, param)

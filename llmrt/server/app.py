@@ -15,6 +15,7 @@ from llmrt.server.errors import install_exception_handlers
 from llmrt.server.middleware import MAX_BODY_BYTES, ServerMiddleware
 from llmrt.server.observability import install_observability
 from llmrt.server.serving import ServerState
+from llmrt.structured.tool_parsers import select_tool_parser
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": P.ErrorResponse, "description": "invalid_request, context_length_exceeded or unsupported"},
@@ -39,7 +40,9 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     aliases = {engine.model_name, str(getattr(args, "model", None) or engine.model_name)} - {served}
     state = ServerState(engine=engine, model_name=served, aliases=frozenset(aliases),
                         debug=bool(getattr(args, "enable_debug_endpoints", False)),
-                        default_timeout=getattr(args, "request_timeout", None))
+                        default_timeout=getattr(args, "request_timeout", None),
+                        tool_parser=select_tool_parser(getattr(args, "tool_call_parser", None),
+                                                       getattr(getattr(engine, "tokenizer", None), "chat_template", None)))
     app = FastAPI(title="llmrt", version=llmrt.__version__,
                   description="OpenAI-compatible API of llmrt. Every error body is "
                               "`{\"error\": {message, type, param, code}, \"retryable\": bool}`.")

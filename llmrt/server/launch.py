@@ -38,6 +38,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take unless it sets its own `timeout`; past it: 408 "
                         "deadline_exceeded (default: none)")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="how to read tool calls in a model's own output for tool_choice auto (default: the format "
+                        "the chat template shows, if any; without one, auto is refused and required/named work)")
     g.add_argument("--enable-debug-endpoints", action="store_true",
                    help="serve GET /debug/stats and POST /debug/fault (fault injection: stall, crash, oom); "
                         "for tests, never in production")

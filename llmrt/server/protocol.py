@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class _Request(BaseModel):
@@ -37,6 +37,24 @@ class ErrorResponse(_Response):
 # -- shared request parts -----------------------------------------------------------------------------------
 class StreamOptions(_Request):
     include_usage: Optional[bool] = Field(False, description="add a last chunk (with empty choices) carrying usage")
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict[str, Any]] = Field(
+        None, description='for json_schema: {"name": ..., "schema": {...}, "strict": ...}')
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's structured_outputs extra: exactly one of json, regex, grammar (EBNF), choice, json_object."""
+
+    json_schema: Union[dict[str, Any], str, None] = Field(None, alias="json", description="a JSON schema")
+    regex: Optional[str] = None
+    grammar: Optional[str] = Field(None, description="an EBNF grammar (GBNF dialect) with a `root` rule")
+    choice: Optional[list[str]] = Field(None, description="the output is one of these strings")
+    json_object: Optional[bool] = Field(None, description="any JSON object")
 
 
 class _SamplingFields(_Request):
@@ -69,6 +87,11 @@ class _SamplingFields(_Request):
     timeout: Optional[float] = Field(
         None, description="seconds this request may take in all; past it the request fails with 408 "
                           "deadline_exceeded (default: the server's --request-timeout)")
+    response_format: Optional[ResponseFormat] = Field(
+        None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}: '
+                          "the output is valid by construction (constrained decoding)")
+    structured_outputs: Optional[StructuredOutputsRequest] = Field(
+        None, description="constrain the output to a JSON schema, regex, EBNF grammar or choice (vLLM's names)")
 
 
 # -- completions ----------------------------------------------------------------------------------------------
@@ -177,14 +200,37 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(None, description="[0, 20] likeliest alternatives per token; needs logprobs")
     add_generation_prompt: Optional[bool] = Field(True, description="end the rendered chat with the assistant's "
                                                                     "turn header")
-    tools: Optional[list[Any]] = Field(None, description="not supported yet")
-    tool_choice: Optional[Any] = Field(None, description="only none/auto without tools")
-    response_format: Optional[dict[str, Any]] = Field(None, description="only {\"type\": \"text\"}")
+    tools: Optional[list[dict[str, Any]]] = Field(None, description='functions the model may call: '
+                                                   '[{"type": "function", "function": {"name", "parameters"}}]')
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = Field(
+        None, description="none, auto (the model's own format, read by the server's tool-call parser), required "
+                          "(arguments generated under the schema), or {\"type\": \"function\", \"function\": "
+                          "{\"name\": ...}}; default auto with tools, none without")
+    parallel_tool_calls: Optional[bool] = Field(True, description="with required: allow more than one call")
+
+
+class FunctionCall(_Response):
+    name: str
+    arguments: str = Field(..., description="the arguments as JSON text")
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="present only when the model called tools")
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatTopLogprob(_Response):
@@ -208,7 +254,7 @@ class ChatCompletionChoice(_Response):
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[str] = Field(None, description="stop (EOS or a stop string) or length")
+    finish_reason: Optional[str] = Field(None, description="stop (EOS or a stop string), length, or tool_calls")
     stop_reason: Union[int, str, None] = None
 
 
@@ -223,9 +269,24 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: Optional[str] = None
 
 
+class DeltaFunctionCall(_Response):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_Response):
+    """A piece of a tool call: the first carries id, type and name; later ones more of the arguments."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class DeltaMessage(_Response):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatCompletionStreamChoice(_Response):

@@ -25,6 +25,9 @@ from llmrt.outputs import CompletionOutput, RequestOutput
 from llmrt.sampling_params import SamplingParams
 from llmrt.server import protocol as P
 from llmrt.server.errors import sse_error_event
+from llmrt.structured.spec import StructuredOutputs
+from llmrt.structured.tool_parsers import ToolParser
+from llmrt.structured.tools import ToolCallStream, ToolPlan, plan_tools, tool_calls_json
 from llmrt.tokenizer import Tokenizer
 
 logger = logging.getLogger("llmrt.server")
@@ -50,6 +53,7 @@ class ServerState:
     default_timeout: Optional[float] = None  # --request-timeout
     # Called with the final engine outputs of every API request (metrics, dashboard).
     observers: list[Callable[[list[Optional[RequestOutput]]], None]] = field(default_factory=list)
+    tool_parser: Optional[ToolParser] = None  # --tool-call-parser, or the chat template's format
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -92,7 +96,28 @@ def sampling_params(req: P._SamplingFields, *, max_tokens: Optional[int], logpro
     return SamplingParams(
         **kw, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
         ignore_eos=bool(req.ignore_eos), skip_special_tokens=req.skip_special_tokens is not False,
-        include_stop_str_in_output=bool(req.include_stop_str_in_output), logit_bias=_logit_bias(req.logit_bias))
+        include_stop_str_in_output=bool(req.include_stop_str_in_output), logit_bias=_logit_bias(req.logit_bias),
+        structured=structured_outputs(req))
+
+
+def structured_outputs(req: P._SamplingFields) -> Optional[StructuredOutputs]:
+    """The request's output constraint from `response_format` or `structured_outputs` (not both)."""
+    fmt, extra = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text":
+        if extra is not None:
+            raise InvalidRequestError("response_format: give either response_format or structured_outputs, not both",
+                                      param="response_format")
+        if fmt.type == "json_object":
+            return StructuredOutputs(json_object=True, param="response_format")
+        schema = (fmt.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequestError('response_format: json_schema needs {"json_schema": {"schema": {...}}}',
+                                      param="response_format")
+        return StructuredOutputs(json=schema, param="response_format")
+    if extra is None:
+        return None
+    return StructuredOutputs(json=extra.json_schema, json_object=bool(extra.json_object), regex=extra.regex,
+                             grammar=extra.grammar, choice=tuple(extra.choice) if extra.choice is not None else None)
 
 
 def _logit_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
@@ -614,9 +639,10 @@ async def create_completion(state: ServerState, req: P.CompletionRequest, reques
 class ChatStream(StreamFormatter):
     object_name = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, texts: TokenTexts, top_logprobs: Optional[int]):
+    def __init__(self, *args: Any, texts: TokenTexts, top_logprobs: Optional[int], tools: ToolPlan):
         super().__init__(*args)
-        self.texts, self.top_logprobs = texts, top_logprobs
+        self.texts, self.top_logprobs, self.tools = texts, top_logprobs, tools
+        self.tool_streams: dict[int, ToolCallStream] = {}
 
     def head(self, gen: Generation) -> list[str]:
         return [self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -630,15 +656,35 @@ class ChatStream(StreamFormatter):
             lp = chat_logprobs(entries).model_dump()
         elif not d.text and d.finish_reason is None:
             return []
+        if self.tools.active:
+            return self._tool_delta(d, lp)
         choice: dict[str, Any] = {"index": d.index, "delta": {"content": d.text} if d.text else {},
                                   "logprobs": lp, "finish_reason": d.finish_reason}
         if d.finish_reason is not None:
             choice["stop_reason"] = _stop_reason(d.stop_reason)
         return [self.chunk([choice])]
 
+    def _tool_delta(self, d: Delta, lp: Any) -> list[str]:
+        """Content and tool-call deltas of a choice whose text may hold tool calls."""
+        stream = self.tool_streams.setdefault(d.index, ToolCallStream(self.tools))
+        deltas = stream.feed(d.text, d.finish_reason is not None)
+        events = [self.chunk([{"index": d.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                               "finish_reason": None}]) for k, delta in enumerate(deltas)]
+        if d.finish_reason is not None:
+            choice = {"index": d.index, "delta": {}, "logprobs": None if deltas else lp,
+                      "finish_reason": _tool_finish_reason(d.finish_reason, bool(stream.calls)),
+                      "stop_reason": _stop_reason(d.stop_reason)}
+            events.append(self.chunk([choice]))
+        return events
+
+
+def _tool_finish_reason(finish_reason: str, has_calls: bool) -> str:
+    """OpenAI's tool_calls when a choice that ended by itself holds calls."""
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+
 
 def chat_response(gen: Generation, response_id: str, model: str, created: int, texts: TokenTexts,
-                  top_logprobs: Optional[int]) -> P.ChatCompletionResponse:
+                  top_logprobs: Optional[int], tools: ToolPlan) -> P.ChatCompletionResponse:
     tracker = DeltaTracker(len(gen.gens), gen.params, holdback=False)
     choices = []
     for i, out in enumerate(gen.latest):
@@ -647,8 +693,13 @@ def chat_response(gen: Generation, response_id: str, model: str, created: int, t
             lp = None
             if top_logprobs is not None:
                 lp = chat_logprobs(texts.entries(d.context, d.token_ids, d.logprobs, top_logprobs))
-            choices.append(P.ChatCompletionChoice(index=d.index, message=P.ChatResponseMessage(content=d.text),
-                                                  logprobs=lp, finish_reason=d.finish_reason,
+            message, finish = P.ChatResponseMessage(content=d.text), d.finish_reason
+            if tools.active:
+                parsed = tools.parse(d.text)
+                message = P.ChatResponseMessage(content=parsed.content,
+                                                tool_calls=tool_calls_json(parsed.calls) if parsed.calls else None)
+                finish = _tool_finish_reason(d.finish_reason or "stop", bool(parsed.calls))
+            choices.append(P.ChatCompletionChoice(index=d.index, message=message, logprobs=lp, finish_reason=finish,
                                                   stop_reason=_stop_reason(d.stop_reason)))
     choices.sort(key=lambda c: c.index)
     return P.ChatCompletionResponse(id=response_id, created=created, model=model, choices=choices, usage=gen.usage(),
@@ -658,12 +709,7 @@ def chat_response(gen: Generation, response_id: str, model: str, created: int, t
 async def create_chat_completion(state: ServerState, req: P.ChatCompletionRequest, request: Request) -> Any:
     record = access_record(request)
     state.check_model(req.model)
-    if req.tools:
-        raise UnsupportedError("tools: tool calling is not supported by this server yet", param="tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise UnsupportedError("tool_choice: tool calling is not supported by this server yet", param="tool_choice")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise UnsupportedError("response_format: only {\"type\": \"text\"} is supported", param="response_format")
+    tools = plan_tools(req.tools, req.tool_choice, state.tool_parser)
     top_logprobs: Optional[int] = None
     if req.top_logprobs is not None:
         if not req.logprobs:
@@ -680,8 +726,16 @@ async def create_chat_completion(state: ServerState, req: P.ChatCompletionReques
         if e.param == "max_tokens" and req.max_completion_tokens is not None:
             e.param, e.message = "max_completion_tokens", e.message.replace("max_tokens", "max_completion_tokens")
         raise
+    tool_constraint = tools.structured(req.parallel_tool_calls is not False)
+    if tool_constraint is not None:
+        if params.structured is not None:
+            raise InvalidRequestError("tool_choice: required or a named function already constrains the output; "
+                                      "leave out response_format and structured_outputs", param="tool_choice")
+        params.structured = tool_constraint
+        params.validate()
     tokenizer = state.tokenizer
-    prompt_ids = tokenizer.apply_chat_template(chat_messages(req.messages), req.add_generation_prompt is not False)
+    prompt_ids = tokenizer.apply_chat_template(chat_messages(req.messages), req.add_generation_prompt is not False,
+                                               req.tools if tools.render_tools else None)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     record.update(response_id=response_id, model=state.model_name, stream=bool(req.stream), user=req.user)
@@ -691,11 +745,11 @@ async def create_chat_completion(state: ServerState, req: P.ChatCompletionReques
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = ChatStream(response_id, state.model_name, created, include_usage, texts=texts,
-                         top_logprobs=top_logprobs)
+                         top_logprobs=top_logprobs, tools=tools)
         return await stream_response(request, gen, fmt)
     try:
         await until_disconnect(request, gen.run())
     finally:
         await gen.close()
         finish_request(request, gen)
-    return chat_response(gen, response_id, state.model_name, created, texts, top_logprobs)
+    return chat_response(gen, response_id, state.model_name, created, texts, top_logprobs, tools)
