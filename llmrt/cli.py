@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_serve.add_arguments(srv)
     srv.set_defaults(func=lambda a: (bench_serve.run(a), 0)[1])
+    st = bench_sub.add_parser("structured", help="throughput under a JSON schema vs the same requests free, one run")
+    from llmrt.bench import structured
+
+    structured.add_arguments(st)
+    st.set_defaults(func=lambda a: (structured.run(a), 0)[1])
     from llmrt.bench import workloads
 
     workloads.add_subcommands(bench_sub)

@@ -129,3 +129,21 @@ def test_named_stream_streams_arguments():
     assert len(deltas) == 3  # the call's head, then two pieces of arguments
     _, calls = _reassemble(deltas)
     assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Oslo"}
+
+
+def test_required_stream_streams_each_calls_arguments():
+    plan = plan_tools([WEATHER, TIME], "required", None)
+    text = ('[{"name": "get_time", "arguments": {"tz": "a\\"}]"}}, '
+            '{"name": "get_weather", "arguments": {"city": "Oslo", "days": [2, {"x": "}"}]}}]')
+    stream = ToolCallStream(plan)
+    deltas = []
+    for k in range(0, len(text), 3):
+        deltas += stream.feed(text[k:k + 3], False)
+    deltas += stream.feed("", True)
+    content, calls = _reassemble(deltas)
+    whole = plan.parse(text)
+    assert content == "" and [(c["name"], c["arguments"]) for c in calls] == \
+        [(c.name, c.arguments) for c in whole.calls]
+    assert json.loads(calls[0]["arguments"]) == {"tz": 'a"}]'}
+    assert sum(1 for d in deltas for tc in d["tool_calls"] if "id" in tc) == 2
+    assert len(deltas) > 10  # arguments arrived in many pieces, not at the end

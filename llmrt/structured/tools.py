@@ -3,6 +3,7 @@ a choice's generated text becomes content and tool calls, whole or as OpenAI-sty
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -85,6 +86,11 @@ class ToolPlan:
             calls = [call_from_json(item, ("arguments",)) for item in items] if isinstance(items, list) else []
             if not calls or any(c is None for c in calls):
                 return ParsedOutput(text, [])
+            # The arguments exactly as generated (what a stream sends), not re-serialized.
+            scanned = scan_required_calls(text)
+            if [name for name, _, _ in scanned] == [c.name for c in calls if c is not None]:
+                for call, (_, args, _) in zip(calls, scanned):
+                    call.arguments = args  # type: ignore[union-attr]
             return ParsedOutput(None, calls)  # type: ignore[arg-type]
         if self.mode == "auto" and self.parser is not None:
             return self.parser.parse(text)
@@ -119,6 +125,58 @@ def plan_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any, parser: 
     return ToolPlan(tool_choice, functions, parser=parser if tool_choice == "auto" else None)
 
 
+# The head of one call in the array `required` generates: the grammar fixes this layout (compact separators,
+# properties in schema order), so a call's name is known before its arguments begin.
+_CALL_HEAD = re.compile(r'[\s\[\],}]*\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
+
+
+def _value_end(text: str, i: int) -> Optional[int]:
+    """The index just past the JSON value starting at text[i], or None if it has not ended yet."""
+    if i >= len(text):
+        return None
+    depth, in_string, escaped = 0, False, False
+    scalar = text[i] not in '{["'
+    for j in range(i, len(text)):
+        ch = text[j]
+        if scalar:
+            if ch in ",}]":
+                return j
+            continue
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 0:
+                    return j + 1
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+def scan_required_calls(text: str) -> list[tuple[str, str, bool]]:
+    """(name, arguments so far, arguments complete) of each call begun in a `required` output."""
+    calls, pos = [], 0
+    while True:
+        m = _CALL_HEAD.match(text, pos)
+        if m is None:
+            return calls
+        end = _value_end(text, m.end())
+        calls.append((json.loads(f'"{m.group(1)}"'), text[m.end():end if end is not None else len(text)],
+                      end is not None))
+        if end is None:
+            return calls
+        pos = end
+
+
 class ToolCallStream:
     """One choice's stream: text deltas in, OpenAI delta objects out (content and/or tool_calls)."""
 
@@ -142,6 +200,8 @@ class ToolCallStream:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": self.text[self.sent:]}}]})
                 self.sent = len(self.text)
             return out
+        if plan.mode == "required" and not final:  # each call's arguments stream as they are generated
+            return self._required_deltas()
         if not final:
             if plan.mode == "auto" and plan.parser is not None:  # content before a call streams as it comes
                 end = plan.parser.content_end(self.text)
@@ -149,6 +209,9 @@ class ToolCallStream:
                     piece, self.sent = self.text[self.sent:end], end
                     return [{"content": piece}]
             return []
+        if plan.mode == "required" and self.calls:
+            # What was streamed stands; a truncated call (finish_reason length) stays as far as it got.
+            return self._required_deltas()
         parsed = plan.parse(self.text)
         if not parsed.calls:
             rest = self.text[self.sent:]
@@ -162,6 +225,20 @@ class ToolCallStream:
             out.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
                                         "function": {"name": call.name, "arguments": ""}}]})
             out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+        return out
+
+
+    def _required_deltas(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for i, (name, args, _) in enumerate(scan_required_calls(self.text)):
+            if i == len(self.calls):
+                self.calls.append(ToolCall(name, ""))
+                out.append({"tool_calls": [{"index": i, "id": self.calls[i].id, "type": "function",
+                                            "function": {"name": name, "arguments": ""}}]})
+            call = self.calls[i]
+            if len(args) > len(call.arguments):
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": args[len(call.arguments):]}}]})
+                call.arguments = args
         return out
 
 
