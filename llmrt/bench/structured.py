@@ -1,7 +1,7 @@
 """`llmrt bench structured`: throughput with every request under a JSON schema against the same requests free.
 
 One process, one engine, the same prompts and weights: the runs alternate (free, constrained, free, ...) and the
-best of each mode is compared. The schema (an array of at least 64 records with bounded strings, integers and
+best of each mode is compared, by wall time and by this process's CPU time (steadier on a shared machine). The schema (an array of at least 64 records with bounded strings, integers and
 enums) cannot be finished within the output length, so every constrained sample runs to exactly `--output-len`
 tokens like the free ones (`ignore_eos`): the difference is the grammar's cost per step (bitmask fill, apply,
 matcher advance), not different amounts of work.
@@ -50,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights and activations dtype (default float32)")
     p.add_argument("--num-prompts", type=int, default=32, help="concurrent requests (default 32)")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
-    p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
-    p.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating; best counts (default 2)")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request (default 64)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each mode, alternating; best counts (default 3)")
     p.add_argument("--out-dir", default="benchmarks", help="where results go (default benchmarks/)")
     p.add_argument("--no-save", action="store_true", help="print only; write nothing under --out-dir")
 
@@ -76,30 +76,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"free": [], "json_schema": []}
     for _ in range(max(args.repeats, 1)):
         for mode, params in (("free", free), ("json_schema", constrained)):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             outs = llm.generate(prompts, params)
-            seconds = time.perf_counter() - start
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             finishes = sorted({o.outputs[0].finish_reason or "" for o in outs})
-            runs[mode].append({"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+            runs[mode].append({"seconds": seconds, "cpu_seconds": cpu, "output_tokens": tokens,
+                               "output_tok_s": tokens / seconds, "output_tok_per_cpu_s": tokens / cpu,
                                "finish_reasons": finishes})
-            log(f"{mode}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s ({finishes})")
+            log(f"{mode}: {tokens} tokens in {seconds:.2f} s ({cpu:.2f} CPU s) = {tokens / seconds:.1f} tok/s "
+                f"({finishes})")
     valid = _valid_prefixes(llm, prompts, constrained)
     best = {mode: max(r, key=lambda x: x["output_tok_s"]) for mode, r in runs.items()}
     loss = 1.0 - best["json_schema"]["output_tok_s"] / best["free"]["output_tok_s"]
-    rows = [{"mode": m, **{k: v for k, v in best[m].items() if k != "finish_reasons"}} for m in runs]
-    print(format_table(rows, ["mode", "output_tokens", ("seconds", "best s"), ("output_tok_s", "out tok/s")]))
-    print(f"throughput loss under the JSON schema: {loss * 100:.1f}% (target < 15%)")
+    # CPU seconds of this process: on a machine shared with other jobs they move far less than wall time.
+    best_cpu = {mode: max(r, key=lambda x: x["output_tok_per_cpu_s"]) for mode, r in runs.items()}
+    cpu_loss = 1.0 - best_cpu["json_schema"]["output_tok_per_cpu_s"] / best_cpu["free"]["output_tok_per_cpu_s"]
+    rows = [{"mode": m, **{k: v for k, v in best[m].items() if k != "finish_reasons"},
+             "best_tok_per_cpu_s": best_cpu[m]["output_tok_per_cpu_s"]} for m in runs]
+    print(format_table(rows, ["mode", "output_tokens", ("seconds", "best s"), ("output_tok_s", "out tok/s"),
+                              ("best_tok_per_cpu_s", "out tok/CPU-s")]))
+    print(f"throughput loss under the JSON schema: {loss * 100:.1f}% wall, {cpu_loss * 100:.1f}% per CPU second "
+          "(target < 15%)")
     result = {"date": now_iso(), "model": size or model, "tokenizer": tokenizer, "dtype": args.dtype,
               "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
                            "output_len": args.output_len, "temperature": 1.0, "repeats": args.repeats},
               "schema": SCHEMA, "runs": runs, "best": best, "throughput_loss": loss,
+              "best_per_cpu_second": best_cpu, "throughput_loss_per_cpu_second": cpu_loss,
               "constrained_outputs_are_valid_json_prefixes": valid,
               "machine": machine_info("cpu"), "loadavg_start": load, "loadavg_end": os.getloadavg()[0]}
     if not args.no_save:
         summary = {"model": size or Path(model).name, "requests": args.num_prompts, "output_len": args.output_len,
                    "free_tok_s": round(best["free"]["output_tok_s"], 1),
                    "json_tok_s": round(best["json_schema"]["output_tok_s"], 1), "loss_pct": round(loss * 100, 1),
+                   "loss_per_cpu_s_pct": round(cpu_loss * 100, 1),
                    "load_start": round(load, 2), "load_end": round(result["loadavg_end"], 2)}
         paths = write_results("structured-throughput", result, args.out_dir, summary, key=["model"])
         log(f"wrote {paths[0]} and {paths[1]}")
