@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from llmrt.bench import random_model
-from llmrt.bench.report import format_table, machine_info, now_iso, write_results
+from llmrt.bench.report import format_table, load_average, machine_info, now_iso, write_results
 from llmrt.bench.throughput import log, make_prompts, vocab_pool
 
 REPO_LLAMA2_TOKENIZER = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "tokenizers" / "llama2"
@@ -65,7 +64,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = args.tokenizer or (str(REPO_LLAMA2_TOKENIZER) if size else model)
     if size and not Path(tokenizer).is_dir():
         raise SystemExit(f"bench: no tokenizer at {tokenizer}; give --tokenizer (same vocabulary size as the model)")
-    load = os.getloadavg()[0]
+    load = load_average()
     llm = LLM(model, dtype=args.dtype, tokenizer=tokenizer, max_num_seqs=max(args.num_prompts, 1))
     prompts = make_prompts(vocab_pool(model), args.num_prompts, args.prompt_len, args.prompt_len, seed=0)
     free = SamplingParams(max_tokens=args.output_len, temperature=1.0, seed=0, ignore_eos=True)
@@ -104,13 +103,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "schema": SCHEMA, "runs": runs, "best": best, "throughput_loss": loss,
               "best_per_cpu_second": best_cpu, "throughput_loss_per_cpu_second": cpu_loss,
               "constrained_outputs_are_valid_json_prefixes": valid,
-              "machine": machine_info("cpu"), "loadavg_start": load, "loadavg_end": os.getloadavg()[0]}
+              "machine": machine_info("cpu"), "loadavg_start": load, "loadavg_end": load_average()}
     if not args.no_save:
         summary = {"model": size or Path(model).name, "requests": args.num_prompts, "output_len": args.output_len,
                    "free_tok_s": round(best["free"]["output_tok_s"], 1),
                    "json_tok_s": round(best["json_schema"]["output_tok_s"], 1), "loss_pct": round(loss * 100, 1),
                    "loss_per_cpu_s_pct": round(cpu_loss * 100, 1),
-                   "load_start": round(load, 2), "load_end": round(result["loadavg_end"], 2)}
+                   "load_start": load, "load_end": result["loadavg_end"]}
         paths = write_results("structured-throughput", result, args.out_dir, summary, key=["model"])
         log(f"wrote {paths[0]} and {paths[1]}")
     return result
