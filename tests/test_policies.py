@@ -225,3 +225,23 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
         outs.append(step(s))
     assert s.num_preemptions_total > 0 and s.num_swaps_out == 0
     assert not any(o.swap_out for o in outs)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "short-first", "fair"])
+def test_a_long_queue_costs_linear_rank_calls_once_admissions_stop(policy):
+    # 2000 waiting requests, room for a few: once one does not fit, the rest must not be scanned again and again.
+    s = make_scheduler(policy, num_blocks=64, block_size=16, budget=2048)
+    for i in range(2000):
+        add(s, f"r{i}", 100, 8)
+    calls = 0
+    rank = s.policy.rank
+
+    def counting_rank(seq, step):
+        nonlocal calls
+        calls += 1
+        return rank(seq, step)
+
+    s.policy.rank = counting_rank
+    out = s.schedule()
+    assert 0 < len(out.scheduled) < 2000
+    assert calls < 3 * 2000 * (len(out.scheduled) + 1)  # one scan per admission, not one per waiting request

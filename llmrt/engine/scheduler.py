@@ -176,6 +176,8 @@ class Scheduler:
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 made_room, count = self._make_room(seq, n, done)
                 preempted += count
+                if count:
+                    prefills = self._running_only(prefills)
                 if not made_room:
                     continue
                 copies += self.block_manager.allocate(seq, n)
@@ -183,6 +185,7 @@ class Scheduler:
                 admitted = self._admit(seq, budget, swap_in)
                 if admitted is None:
                     admitting = False  # no one passes a sequence that does not fit: it would starve
+                    prefills = self._running_only(prefills)
                     continue
                 n, new_copies = admitted
                 copies += new_copies
@@ -195,6 +198,12 @@ class Scheduler:
         used = self.config.max_num_batched_tokens - budget
         swap_out, self._swap_out = self._swap_out, []
         return SchedulerOutput(scheduled, copies, used, preempted + len(just_preempted), swap_out, swap_in)
+
+    @staticmethod
+    def _running_only(prefills: list[Sequence]) -> list[Sequence]:
+        # Once admissions stop for this step, waiting sequences would only be popped and skipped: with a long
+        # queue that made every step quadratic in the queue length.
+        return [s for s in prefills if s.status is SequenceStatus.RUNNING]
 
     def _release_host_blocks(self) -> None:
         """Return host blocks whose swap-in (or whose sequence's end) the previous step saw."""
