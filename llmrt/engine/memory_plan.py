@@ -8,9 +8,8 @@ model built on the meta device (the engine's own model classes), the KV bytes pe
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -116,27 +115,15 @@ def estimate_activation_peak(hf_config: dict[str, Any], num_tokens: int, num_log
     return max(layer_peak, logits_peak)
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dtype,
                 kv_dtype: Optional[torch.dtype] = None, tp: int = 1, block_size: int = 16,
                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: Optional[int] = None,
                 utilization: float = 1.0, contexts: tuple[int, ...] = DEFAULT_CONTEXTS) -> MemoryPlan:
     """The per-device memory split for a model config on a device of `memory_bytes`, without any weights."""
-    from llmrt.model.models.registry import resolve_architecture
+    from llmrt.model.loader import build_model
 
-    archs = hf_config.get("architectures") or [""]
-    cls = resolve_architecture(archs[0])
-    with torch.device("meta"), _default_dtype(dtype):
-        model = cls(hf_config, dtype, archs[0])
+    arch = (hf_config.get("architectures") or [""])[0]
+    model = build_model(hf_config, arch, dtype, dtype, "meta")
     spec = model.kv_cache_spec()
     kv_heads = max(1, spec.num_kv_heads // tp)  # fewer KV heads than ranks: each rank keeps a replica
     per_token = 2 * spec.num_layers * kv_heads * spec.head_dim * torch.empty((), dtype=kv_dtype or dtype).element_size()

@@ -47,14 +47,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def build_model(hf_config: dict, arch: str, dtype: torch.dtype, compute: torch.dtype,
+                device: torch.device | str) -> CausalLM:
+    """Construct `arch`'s model with `dtype` parameters on `device`, unfilled ("meta" for sizes only)."""
+    cls = resolve_architecture(arch)
+    with torch.device(device), _default_dtype(dtype):
+        return cls(hf_config, compute, arch)
+
+
 def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
     """Build the model for `model_cfg` on `device` and fill it from the checkpoint."""
     arch = model_cfg.architecture
-    cls = resolve_architecture(arch)
     dtype = model_cfg.torch_dtype
     try:
-        with torch.device(device), _default_dtype(dtype):
-            model = cls(model_cfg.hf_config, compute_dtype(device, dtype), arch)
+        model = build_model(model_cfg.hf_config, arch, dtype, compute_dtype(device, dtype), device)
     except KeyError as e:
         raise ModelLoadError(f"config.json of {model_cfg.model} lacks the field {e.args[0]!r} that {arch} needs")
     native_rows = native_half_max_rows(device, dtype)
