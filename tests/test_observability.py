@@ -120,7 +120,8 @@ def test_bench_serve_counts_what_the_server_finished(server, tmp_path):
 
 def _chromium():
     if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        pytest.skip("chromium and chromedriver are not installed (make test installs them)")
+        # A missing browser is a broken set-up, not a reason to pass without testing the dashboard.
+        pytest.fail("chromium and chromedriver are not installed (make test installs them with apt-get)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
