@@ -9,20 +9,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import httpx
 
-from llmrt.bench import random_model
+from llmrt.bench import random_model, server_process
 from llmrt.bench.client import RequestResult, stream_completion
 from llmrt.bench.report import format_table, load_average, machine_info, now_iso, write_results
 
@@ -34,39 +29,9 @@ def log(msg: str) -> None:
 
 @contextlib.contextmanager
 def serve(model_dir: str, *args: str, startup_timeout: float = 300.0) -> Iterator[str]:
-    """Run `llmrt serve model_dir --port 0 *args` until the block ends; yield its base URL once healthy."""
-    cmd = [sys.executable, "-m", "llmrt.cli", "serve", model_dir, "--host", "127.0.0.1", "--port", "0",
-           "--disable-access-log", *args]
-    fd, log_path = tempfile.mkstemp(prefix="llmrt-bench-serve-", suffix=".log")
-    with os.fdopen(fd, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            text = Path(log_path).read_text(errors="replace")
-            if proc.poll() is not None:
-                raise RuntimeError(f"llmrt serve exited with code {proc.returncode}:\n{text[-3000:]}")
-            m = re.search(r" on (http://127\.0\.0\.1:\d+)", text)
-            if m:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(m.group(1) + "/health", timeout=2.0).status_code == 200:
-                        yield m.group(1)
-                        return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"llmrt serve not healthy after {startup_timeout} s:\n{text[-3000:]}")
-            time.sleep(0.2)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            os.unlink(log_path)
+    """A benchmark's `llmrt serve model_dir *args` (access log off), yielding its base URL once healthy."""
+    with server_process.serve(model_dir, "--disable-access-log", *args, startup_timeout=startup_timeout) as url:
+        yield url
 
 
 def random_prompt(rng: Any, n: int, vocab: int) -> list[int]:
