@@ -6,60 +6,8 @@ import logging
 import sys
 from typing import Any, Optional
 
-from llmrt.config import DEFAULT_MODEL_NAME, PREEMPTION_MODES, SCHEDULING_POLICIES
-
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags that configure the engine; the same names as LLM(...) keyword arguments."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weight and KV-cache dtype; auto takes the checkpoint's (default: auto)")
-    g.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto picks cuda when present (default: auto)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's context length)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
-    g.add_argument("--kv-cache-memory", type=_bytes, default=None,
-                   help="bytes for KV blocks on CPU, e.g. 2GiB (default: 2GiB, capped at what max-num-seqs "
-                        "sequences of max-model-len tokens could use)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory llmrt may use for weights, activations and KV (default: 0.9)")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default: 64)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step; long prompts are prefilled in chunks of at most this (default: 2048)")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
-                   help="order of waiting work: fcfs; priority (the request's `priority`, lower first, may preempt "
-                        "lower priorities); short-first (fewest remaining prompt tokens, with aging); fair (token "
-                        "shares across the request's `user`) (default: fcfs)")
-    g.add_argument("--short-first-aging-steps", type=int, default=32,
-                   help="short-first: after waiting this many steps no later arrival passes a request (default: 32)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="do not reuse the KV of prompt blocks earlier requests computed (prefix caching is on by default)")
-    g.add_argument("--preemption-mode", default="recompute", choices=list(PREEMPTION_MODES),
-                   help="when KV blocks run out, a preempted sequence's KV is dropped and recomputed later, or "
-                        "swapped to host memory and back (default: recompute)")
-    g.add_argument("--swap-space", type=_bytes, default=4 << 30,
-                   help="host memory for swapped-out KV blocks with --preemption-mode swap, e.g. 4GiB (default: 4GiB)")
-    g.add_argument("--kv-watermark", type=float, default=0.01,
-                   help="fraction of KV blocks new admissions leave free, so running sequences can grow before "
-                        "anyone is preempted (default: 0.01)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags as LLM(...) keyword arguments."""
-    keys = ("dtype", "device", "max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
-            "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens", "scheduling_policy",
-            "short_first_aging_steps", "enable_prefix_caching", "preemption_mode", "swap_space", "kv_watermark")
-    return {k: getattr(args, k) for k in keys}
-
-
-def _bytes(text: str) -> int:
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    t = text.strip().lower()
-    for unit, mult in units.items():
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * mult)
-    return int(t)
+from llmrt.config import DEFAULT_MODEL_NAME
+from llmrt.engine_args import add_engine_arguments, engine_kwargs
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -16,6 +16,9 @@ DEFAULT_MODEL_NAME = "stories260K"
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "short-first", "fair")
 PREEMPTION_MODES = ("recompute", "swap")
+# On CPU the KV cache gets this many bytes unless told otherwise, capped at what max_num_seqs sequences of
+# max_model_len tokens could ever use (CUDA sizes it from gpu_memory_utilization instead).
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,6 +51,7 @@ class ModelConfig:
     max_model_len: Optional[int] = None
     seed: int = 0
     served_model_name: Optional[str] = None
+    quantization: Optional[str] = None  # a name in llmrt.model.quantization.QUANTIZATION_METHODS; None: unquantized
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     torch_dtype: torch.dtype = torch.float32
 
@@ -93,7 +97,7 @@ class CacheConfig:
     """Paged KV cache sizing."""
 
     block_size: int = 16
-    kv_cache_memory: Optional[int] = None  # bytes for KV blocks (CPU); None: a default budget
+    kv_cache_memory: Optional[int] = None  # bytes for KV blocks (CPU); None: DEFAULT_CPU_KV_CACHE_BYTES, capped
     gpu_memory_utilization: float = 0.9  # fraction of device memory llmrt may use (CUDA)
     num_gpu_blocks_override: Optional[int] = None  # fix the block count (tests, experiments)
     enable_prefix_caching: bool = True  # reuse the KV of full blocks that earlier requests computed
@@ -137,13 +141,34 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the model is split over workers; this process's rank within them."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"  # a name in llmrt.executor.EXECUTORS
+    rank: int = 0  # set per worker by the executor
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise UnsupportedError("tensor parallelism is not built yet; tensor_parallel_size must be 1",
+                                   param="tensor_parallel_size")
+
+    @property
+    def world_size(self) -> int:
+        """Workers in all."""
+        return self.tensor_parallel_size
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs; built once, validated once."""
 
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"
+    attention_backend: str = "auto"  # a name in llmrt.attention.ATTENTION_BACKENDS, or auto for the device's best
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -154,12 +179,13 @@ class EngineConfig:
     @classmethod
     def create(cls, model: Optional[str] = None, **kwargs: Any) -> "EngineConfig":
         """Build from flat keyword arguments (the LLM() and CLI surface)."""
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "parallel": {}}
         owners = {
             "model": ModelConfig.__dataclass_fields__, "cache": CacheConfig.__dataclass_fields__,
-            "scheduler": SchedulerConfig.__dataclass_fields__,
+            "scheduler": SchedulerConfig.__dataclass_fields__, "parallel": ParallelConfig.__dataclass_fields__,
         }
-        device = kwargs.pop("device", "auto")
+        device = kwargs.pop("device", None) or "auto"
+        attention_backend = kwargs.pop("attention_backend", None) or "auto"
         if "scheduling_policy" in kwargs:
             kwargs["policy"] = kwargs.pop("scheduling_policy")
         for key, value in kwargs.items():
@@ -172,5 +198,5 @@ class EngineConfig:
             else:
                 raise InvalidRequestError(f"unknown engine option {key!r}", param=key)
         model_cfg = ModelConfig(model=model or os.environ.get("LLMRT_MODEL", ""), **parts["model"])
-        return cls(model=model_cfg, cache=CacheConfig(**parts["cache"]),
-                   scheduler=SchedulerConfig(**parts["scheduler"]), device=device)
+        return cls(model=model_cfg, cache=CacheConfig(**parts["cache"]), scheduler=SchedulerConfig(**parts["scheduler"]),
+                   parallel=ParallelConfig(**parts["parallel"]), device=device, attention_backend=attention_backend)

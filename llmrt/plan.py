@@ -6,20 +6,19 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmrt.bench.report import format_table
-from llmrt.config import context_limit, parse_dtype
+from llmrt.config import CacheConfig, SchedulerConfig, context_limit, parse_dtype
+from llmrt.engine_args import default_of, parse_bytes
 from llmrt.engine.memory_plan import MemoryPlan, plan_memory
 from llmrt.errors import InvalidRequestError, ModelLoadError
+from llmrt.table import format_table
 
 _GiB = 1 << 30
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The plan command's flags."""
-    from llmrt.cli import _bytes
-
     p.add_argument("model", help="an HF model directory or its config.json (no weights needed)")
-    p.add_argument("--memory", type=_bytes, required=True, help="memory of one device, e.g. 80GiB or 24GB")
+    p.add_argument("--memory", type=parse_bytes, required=True, help="memory of one device, e.g. 80GiB or 24GB")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and compute dtype; auto takes the config's (default: auto)")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -27,12 +26,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the model is split over (default: 1)")
     p.add_argument("--context", default="1024,4096,32768",
                    help="comma-separated context lengths to report capacity at (default: 1024,4096,32768)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of the memory the engine may use, as `serve` (default: 0.9)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="the step token budget that sets the activation peak (default: 2048)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default: 64)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=default_of(CacheConfig, "gpu_memory_utilization"),
+                   help="fraction of the memory the engine may use, as `serve` (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=default_of(CacheConfig, "block_size"),
+                   help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=default_of(SchedulerConfig, "max_num_batched_tokens"),
+                   help="the step token budget that sets the activation peak (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=default_of(SchedulerConfig, "max_num_seqs"),
+                   help="most sequences in one batch (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 

@@ -10,6 +10,7 @@ import torch
 
 from llmrt.bench import report, throughput
 from llmrt.bench.random_model import build_random_llama, cached_random_llama
+from llmrt.table import format_table
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def test_compute_floor_positive(tiny: str) -> None:
 
 
 def test_format_table() -> None:
-    text = report.format_table([{"a": "x", "b": 1.23456}, {"a": "long name", "b": None}], ["a", ("b", "B col")])
+    text = format_table([{"a": "x", "b": 1.23456}, {"a": "long name", "b": None}], ["a", ("b", "B col")])
     lines = text.splitlines()
     assert lines[0].split() == ["a", "B", "col"] and len(lines) == 4
     assert "1.235" in lines[2] and lines[3].rstrip().endswith("-")

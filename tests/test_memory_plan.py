@@ -20,7 +20,7 @@ def _within(a: float, b: float, tol: float) -> bool:
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3", "gpt2"])
 def test_plan_matches_the_engine_within_five_percent(checkpoints, arch, caplog):
-    with caplog.at_level(logging.INFO, logger="llmrt.engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="llmrt.worker.worker"):
         llm = LLM(str(checkpoints[arch]), dtype="float32", block_size=4, max_num_batched_tokens=64, max_num_seqs=16,
                   kv_cache_memory=8 * _MiB)
     engine: MemoryPlan = llm.engine.memory

@@ -8,7 +8,7 @@ import torch
 
 
 from llmrt.config import ModelConfig
-from llmrt.model.layers.attention import AttentionMetadata, PrefillSpan
+from llmrt.attention import build_common_metadata, select_attention_backend
 from llmrt.model.loader import load_model
 from tests.conftest import ARCH_CONFIGS
 
@@ -24,19 +24,20 @@ def llmrt_logits(model_dir, prompt: list[int], block_size: int = 4, chunk: int =
     """Logits at every prompt position, computed in chunks through the paged cache (chunked prefill path)."""
     model = load_model(ModelConfig(str(model_dir), dtype="float32"), torch.device("cpu"))
     spec = model.kv_cache_spec()
+    backend = select_attention_backend("torch", torch.device("cpu"))
     blocks = -(-len(prompt) // block_size)
     for layer in model.attention_layers():
-        layer.k_cache = torch.zeros(blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        layer.v_cache = torch.zeros(blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    table = torch.randperm(blocks)  # scattered blocks, as a busy cache would give
+        layer.bind(torch.zeros(blocks, block_size, spec.num_kv_heads, spec.head_dim),
+                   torch.zeros(blocks, block_size, spec.num_kv_heads, spec.head_dim), backend)
+    table = torch.randperm(blocks).tolist()  # scattered blocks, as a busy cache would give
     out = []
     with torch.inference_mode():
         for start in range(0, len(prompt), chunk):
             ids = prompt[start:start + chunk]
             pos = torch.arange(start, start + len(ids))
-            slots = table[pos // block_size] * block_size + pos % block_size
-            meta = AttentionMetadata(slots, 0, None, None, [PrefillSpan(0, len(ids), start + len(ids), table)])
-            hidden = model(torch.tensor(ids), pos, meta)
+            common = build_common_metadata([table], [len(ids)], [start + len(ids)], pos, 0, block_size,
+                                           torch.device("cpu"))
+            hidden = model(torch.tensor(ids), pos, backend.build_metadata(common))
             out.append(model.compute_logits(hidden))
     return torch.cat(out)
 

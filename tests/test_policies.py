@@ -11,7 +11,8 @@ from llmrt.config import SCHEDULING_POLICIES, EngineConfig, SchedulerConfig
 from llmrt.engine.kv_cache import BlockManager, HostBlockPool
 from llmrt.engine.policies import make_policy
 from llmrt.engine.request import Request
-from llmrt.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from llmrt.engine.scheduler import Scheduler
+from llmrt.engine.step import ModelRunnerOutput, SchedulerOutput
 from llmrt.errors import InvalidRequestError, UnsupportedError
 from llmrt.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from llmrt.engine.output_processor import OutputProcessor
-from llmrt.engine.scheduler import EngineCoreOutput
+from llmrt.engine.messages import EngineCoreOutput
 from llmrt.errors import (CapacityExceededError, ContextLengthExceededError, EngineDeadError, InvalidRequestError,
                           LLMRTError)
 from llmrt.sampling_params import SamplingParams

@@ -29,7 +29,8 @@ import httpx
 from tqdm import tqdm
 
 from llmrt.bench.client import RequestResult, stream_completion
-from llmrt.bench.report import format_table, load_average, machine_info, now_iso, write_results
+from llmrt.bench.report import load_average, machine_info, now_iso, write_results
+from llmrt.table import format_table
 
 _WORDS = ("time", "little", "girl", "park", "tree", "happy", "sun", "dog", "ball", "friend", "house", "red",
           "big", "play", "day", "cat", "bird", "water", "run", "smile")

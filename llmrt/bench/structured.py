@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from llmrt.bench import random_model
-from llmrt.bench.report import format_table, load_average, machine_info, now_iso, write_results
+from llmrt.bench.report import load_average, machine_info, now_iso, write_results
+from llmrt.table import format_table
 from llmrt.bench.throughput import log, make_prompts, vocab_pool
 
 REPO_LLAMA2_TOKENIZER = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "tokenizers" / "llama2"

@@ -29,7 +29,8 @@ import torch
 
 from llmrt.bench import random_model
 from llmrt.hardware import compute_dtype
-from llmrt.bench.report import format_table, load_average, machine_info, now_iso, write_results
+from llmrt.bench.report import load_average, machine_info, now_iso, write_results
+from llmrt.table import format_table
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

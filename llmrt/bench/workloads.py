@@ -19,7 +19,8 @@ import httpx
 
 from llmrt.bench import random_model, server_process
 from llmrt.bench.client import RequestResult, stream_completion
-from llmrt.bench.report import format_table, load_average, machine_info, now_iso, write_results
+from llmrt.bench.report import load_average, machine_info, now_iso, write_results
+from llmrt.table import format_table
 
 
 def log(msg: str) -> None:

@@ -3,26 +3,34 @@ from __future__ import annotations
 
 from typing import Optional
 
-from llmrt.engine.core import EngineStats
+from llmrt.engine.messages import EngineStats
 from llmrt.errors import CapacityExceededError
 
 
 class AdmissionController:
-    """Refuses new requests at once (429) when the queue is full or would make them wait too long."""
+    """Refuses new requests at once (429) when the queue is full or would make them wait too long.
+
+    The waiting count is exact: the core's latest stats count every request it has acknowledged, and the
+    requests sent since but not yet acknowledged are counted here, whatever step they arrive in.
+    """
 
     def __init__(self, max_waiting_requests: Optional[int], max_queue_delay_ms: Optional[float]):
         self.max_waiting_requests = max_waiting_requests
         self.max_queue_delay_ms = max_queue_delay_ms
         self.drain_tokens_per_s = 0.0  # exponential moving average of tokens the engine computes per second
-        self._pending_requests = 0  # sent since the latest stats, so not yet counted in them
-        self._pending_tokens = 0
+        self._unacknowledged: dict[str, int] = {}  # request id -> prompt tokens, sent but not yet taken in
         self._last_core_time: Optional[float] = None
         self._last_num_steps = 0
 
+    @property
+    def num_unacknowledged(self) -> int:
+        """Requests sent to the core that it has not yet taken in."""
+        return len(self._unacknowledged)
+
     def admit(self, stats: Optional[EngineStats], prompt_tokens: int) -> None:
         """Raise CapacityExceededError if a request of `prompt_tokens` must not join the queue now."""
-        waiting = (stats.num_waiting if stats else 0) + self._pending_requests
-        queued_tokens = (stats.waiting_tokens if stats else 0) + self._pending_tokens + prompt_tokens
+        waiting = (stats.num_waiting if stats else 0) + len(self._unacknowledged)
+        queued_tokens = (stats.waiting_tokens if stats else 0) + sum(self._unacknowledged.values()) + prompt_tokens
         delay = queued_tokens / self.drain_tokens_per_s if self.drain_tokens_per_s > 0 else None
         retry_after = max(1.0, delay or 1.0)
         if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
@@ -35,14 +43,17 @@ class AdmissionController:
                 f"(limit {self.max_queue_delay_ms:.0f} ms); retry after about {retry_after:.0f} s",
                 retry_after=retry_after)
 
-    def submitted(self, prompt_tokens: int) -> None:
-        """Count a request sent to the engine core."""
-        self._pending_requests += 1
-        self._pending_tokens += prompt_tokens
+    def submitted(self, request_id: str, prompt_tokens: int) -> None:
+        """Count a request sent to the engine core until the core acknowledges it."""
+        self._unacknowledged[request_id] = prompt_tokens
+
+    def acknowledged(self, request_ids: list[str]) -> None:
+        """The core took these in (queued or refused): from now on its stats count them."""
+        for request_id in request_ids:
+            self._unacknowledged.pop(request_id, None)
 
     def observe_step(self, stats: EngineStats, core_time: float) -> None:
-        """Fold one step's figures into the drain rate; the stats now include what was pending."""
-        self._pending_requests = self._pending_tokens = 0
+        """Fold one step's figures into the drain rate."""
         if stats.num_steps == self._last_num_steps:
             return  # a message without a new step (an abort, say)
         self._last_num_steps = stats.num_steps

@@ -12,10 +12,12 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from llmrt.config import EngineConfig
 from llmrt.engine.admission import AdmissionController
-from llmrt.engine.core import EngineLimits, EngineStats, validate_request
+from llmrt.engine.core import validate_request
 from llmrt.engine.core_process import run_engine_core
+from llmrt.engine.messages import (FAULT_KINDS, AbortRequest, AddRequest, CoreFailed, CoreMessage, CoreReady,
+                                   EngineCoreOutput, EngineLimits, EngineStats, FinishReason, FinishSequence,
+                                   InjectFault, RequestRejected, Shutdown, StepResult)
 from llmrt.engine.output_processor import OutputProcessor
-from llmrt.engine.scheduler import EngineCoreOutput
 from llmrt.errors import (CancelledError, DeadlineExceededError, EngineDeadError, InvalidRequestError, LLMRTError,
                           OutOfMemoryError, UnsupportedError)
 from llmrt.outputs import RequestOutput
@@ -24,8 +26,6 @@ from llmrt.structured.backend import validate_structured
 from llmrt.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-FAULT_KINDS = ("stall", "crash", "oom")
 
 
 class _Stream:
@@ -79,18 +79,18 @@ class AsyncLLM:
         self._proc.start()
         self._loop = asyncio.get_running_loop()
         msg = await self._loop.run_in_executor(None, self._wait_ready)
-        if msg[0] == "failed":
-            raise msg[1]
-        _, self.limits, self.memory = msg
+        if isinstance(msg, CoreFailed):
+            raise msg.error
+        self.limits, self.memory = msg.limits, msg.memory
         threading.Thread(target=self._read_outputs, name="llmrt-output-reader", daemon=True).start()
 
-    def _wait_ready(self) -> tuple:
+    def _wait_ready(self) -> Union[CoreReady, CoreFailed]:
         while True:
             try:
                 return self._outbox.get(timeout=0.5)
             except queue.Empty:
                 if not self._proc.is_alive():
-                    return ("failed", EngineDeadError(f"engine core exited during start-up (code {self._proc.exitcode})"))
+                    return CoreFailed(EngineDeadError(f"engine core exited during start-up (code {self._proc.exitcode})"))
 
     async def shutdown(self) -> None:
         """Stop the engine-core process."""
@@ -98,7 +98,7 @@ class AsyncLLM:
             return
         self._stopping.set()
         if self._proc.is_alive():
-            self._inbox.put(("shutdown",))
+            self._inbox.put(Shutdown())
             await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 5.0)
             if self._proc.is_alive():
                 self._proc.kill()
@@ -128,8 +128,8 @@ class AsyncLLM:
             self._last_progress = arrival  # idle until now is not a hang
         self._streams[request_id] = stream
         self.processor.add_request(request_id, text, ids, params, arrival)
-        self._inbox.put(("add", request_id, ids, params, arrival, priority, deadline, user))
-        self.admission.submitted(len(ids))
+        self._inbox.put(AddRequest(request_id, ids, params, arrival, priority, deadline, user))
+        self.admission.submitted(request_id, len(ids))
         finished = False
         try:
             while True:
@@ -148,12 +148,12 @@ class AsyncLLM:
             if not finished:  # the consumer went away: free the request's blocks
                 self.processor.abort(request_id)
                 if self._dead is None:
-                    self._inbox.put(("abort", request_id))
+                    self._inbox.put(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with CancelledError."""
         if self._dead is None:
-            self._inbox.put(("abort", request_id))
+            self._inbox.put(AbortRequest(request_id))
         self.processor.abort(request_id)
         stream = self._streams.get(request_id)
         if stream is not None:
@@ -188,7 +188,7 @@ class AsyncLLM:
             raise UnsupportedError("fault injection is off (start the server with --enable-debug-endpoints)")
         if kind not in FAULT_KINDS:
             raise InvalidRequestError(f"fault kind must be one of {', '.join(FAULT_KINDS)}", param="kind")
-        self._inbox.put(("fault", kind, float(seconds)))
+        self._inbox.put(InjectFault(kind, float(seconds)))
 
     # -- the output side (reader thread -> event loop) -------------------------------------------------
     def _read_outputs(self) -> None:
@@ -211,22 +211,21 @@ class AsyncLLM:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             self._stopping.set()
 
-    def _on_message(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "reject":
-            _, request_id, error = msg
-            self.processor.abort(request_id, error)
-            if request_id in self._streams:
-                self._streams[request_id].put(error)
+    def _on_message(self, msg: CoreMessage) -> None:
+        if isinstance(msg, RequestRejected):
+            self.admission.acknowledged([msg.request_id])
+            self.processor.abort(msg.request_id, msg.error)
+            if msg.request_id in self._streams:
+                self._streams[msg.request_id].put(msg.error)
             return
-        if kind != "step":
+        if not isinstance(msg, StepResult):
             return
-        _, outputs, stats, core_time = msg
-        self._stats = stats
+        self._stats = msg.stats
         self._last_progress = time.monotonic()
-        self.admission.observe_step(stats, core_time)
+        self.admission.acknowledged(msg.acknowledged)
+        self.admission.observe_step(msg.stats, msg.core_time)
         normal: list[EngineCoreOutput] = []
-        for out in outputs:
+        for out in msg.outputs:
             error = _finish_error(out)
             if error is None:
                 normal.append(out)
@@ -236,7 +235,7 @@ class AsyncLLM:
                 self._streams[out.request_id].put(error)
         states, to_stop = self.processor.process(normal)
         for request_id, index in to_stop:
-            self._inbox.put(("finish", request_id, index))
+            self._inbox.put(FinishSequence(request_id, index))
         for state in states:
             stream = self._streams.get(state.request_id)
             if stream is not None:
@@ -252,10 +251,10 @@ class AsyncLLM:
 
 
 def _finish_error(out: EngineCoreOutput) -> Optional[LLMRTError]:
-    if out.finish_reason == "deadline":
+    if out.finish_reason is FinishReason.DEADLINE:
         where = "while it was still queued (no compute was spent on it)" if out.first_scheduled_time is None \
             else "while it was running"
         return DeadlineExceededError(f"the request's timeout passed {where}; nothing it generated is kept")
-    if out.finish_reason == "error":
+    if out.finish_reason is FinishReason.ERROR:
         return OutOfMemoryError("the device ran out of memory even with this request running alone")
     return None

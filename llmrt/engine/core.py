@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 import logging
 import time
 from pathlib import Path
@@ -13,9 +12,10 @@ import torch
 
 from llmrt.config import EngineConfig
 from llmrt.engine.kv_cache import BlockManager, HostBlockPool
-from llmrt.engine.model_runner import ModelRunner
+from llmrt.engine.messages import EngineCoreOutput, EngineLimits, EngineStats
 from llmrt.engine.request import Request
-from llmrt.engine.scheduler import EngineCoreOutput, Scheduler
+from llmrt.engine.scheduler import Scheduler
+from llmrt.executor import Executor, create_executor
 from llmrt.errors import ContextLengthExceededError, InvalidRequestError
 from llmrt.sampling_params import SamplingParams
 from llmrt.structured.backend import StructuredBackend
@@ -44,23 +44,24 @@ def _sample_seed(seed: int, index: int) -> int:
 
 
 class EngineCore:
-    """Owns the scheduler, the block manager and the model runner; sees tokens, never text."""
+    """Owns the scheduler and the block manager, and steps the executor it is handed; sees tokens, never text."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Any = None):
-        """`tokenizer`: a HF tokenizer or its directory (default: the model's), read only for structured output."""
+    def __init__(self, config: EngineConfig, executor: Optional[Executor] = None, tokenizer: Any = None):
+        """`executor`: default, the one `config.parallel` names. `tokenizer`: a HF tokenizer or its directory
+        (default: the model's), read only for structured output."""
         self.config = config
-        self.runner = ModelRunner(config)
-        self.memory = self.runner.initialize_kv_cache()
+        self.executor = executor if executor is not None else create_executor(config)
+        self.memory = self.executor.initialize_cache()
         # The extra key names what else shapes the KV besides the tokens (here: the weights and the KV dtype).
         extra_key = f"{config.model.model}|{config.model.torch_dtype}".encode()
         self.block_manager = BlockManager(self.memory.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, extra_key)
         host_pool = None
         if config.scheduler.preemption_mode == "swap":
-            host_pool = HostBlockPool(self.runner.initialize_host_cache(config.cache.swap_space))
+            host_pool = HostBlockPool(self.executor.initialize_host_cache(config.cache.swap_space))
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len, host_pool)
         self.eos_token_ids = model_eos_token_ids(config)
-        self.vocab_size = self.runner.vocab_size
+        self.vocab_size = self.executor.vocab_size
         self.structured = StructuredBackend(tokenizer or config.model.model, self.vocab_size, self.eos_token_ids)
         self.num_steps = 0
         self.last_step_tokens = 0
@@ -72,7 +73,7 @@ class EngineCore:
         """Longest prompt + output this engine accepts."""
         return int(self.config.model.max_model_len)
 
-    def limits(self) -> "EngineLimits":
+    def limits(self) -> EngineLimits:
         """What a request must fit in; the front end checks the same numbers before sending."""
         return EngineLimits(self.vocab_size, self.max_model_len, self.block_manager.num_blocks,
                             self.block_manager.block_size, self.config.scheduler.max_num_seqs, self.eos_token_ids)
@@ -94,7 +95,7 @@ class EngineCore:
         gens: list[Optional[torch.Generator]] = []
         if params.seed is not None:
             for i in range(params.n):
-                g = torch.Generator(device=self.runner.device)
+                g = torch.Generator(device=self.executor.device)
                 g.manual_seed(_sample_seed(params.seed, i))
                 gens.append(g)
         grammar = None
@@ -123,12 +124,12 @@ class EngineCore:
         if sched.is_empty:
             return expired
         # Before anything can fail: swap-outs queued by preemptions must copy their KV before it is reused.
-        self.runner.move_blocks(sched)
+        self.executor.move_blocks(sched)
         try:
             if self.inject_oom_steps > 0:
                 self.inject_oom_steps -= 1
                 raise torch.OutOfMemoryError("injected out-of-memory fault")
-            result = self.runner.execute(sched)
+            result = self.executor.execute(sched)
         except (torch.OutOfMemoryError, MemoryError) as e:
             # Absorb: shrink the batch by preempting (recompute later) and retry on the next step; only a
             # sequence that fails alone gets an out_of_memory error.
@@ -139,7 +140,7 @@ class EngineCore:
         self.last_step_seqs = len(sched.scheduled)
         return expired + self.scheduler.update(sched, result)
 
-    def stats(self) -> "EngineStats":
+    def stats(self) -> EngineStats:
         """Queue and cache figures after the latest step."""
         sch, bm = self.scheduler, self.block_manager
         waiting_tokens = sum(s.num_tokens - s.num_computed_tokens for s in sch.waiting)
@@ -149,45 +150,6 @@ class EngineCore:
                            last_step_seqs=self.last_step_seqs, num_preempted=preempted,
                            prefix_cache_queried_tokens=bm.prefix_cache_queried_tokens,
                            prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens)
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the engine core for admission control, health and debugging."""
-
-    num_running: int
-    num_waiting: int
-    waiting_tokens: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    num_steps: int
-    last_step_tokens: int
-    num_preemptions: int  # cumulative
-    last_step_seqs: int = 0
-    num_preempted: int = 0  # waiting sequences that were preempted and wait to be recomputed
-    # Cumulative prompt tokens looked up in the prefix cache, and those found there.
-    prefix_cache_queried_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    # Cumulative speculative-decoding draft tokens proposed and accepted (zero until it lands).
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-
-    @classmethod
-    def idle(cls, num_blocks: int) -> "EngineStats":
-        """The figures of an engine that has not stepped yet."""
-        return cls(0, 0, 0, num_blocks, num_blocks, 0, 0, 0)
-
-
-@dataclass
-class EngineLimits:
-    """The numbers a request is checked against."""
-
-    vocab_size: int
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-    max_num_seqs: int
-    eos_token_ids: list[int]
 
 
 def validate_request(prompt: list[int], params: SamplingParams, limits: EngineLimits) -> int:

@@ -1,4 +1,7 @@
-"""The engine core in its own process: requests in, step outputs out, so a slow or dead step never blocks HTTP."""
+"""The engine core in its own process: requests in, step outputs out, so a slow or dead step never blocks HTTP.
+
+The messages both ways are the dataclasses of `llmrt.engine.messages`.
+"""
 from __future__ import annotations
 
 import logging
@@ -9,14 +12,11 @@ import traceback
 from typing import Any
 
 from llmrt.config import EngineConfig
+from llmrt.engine.messages import (AbortRequest, AddRequest, CoreFailed, CoreReady, FinishSequence, InjectFault,
+                                   RequestRejected, Shutdown, StepResult)
 from llmrt.errors import LLMRTError
 
 logger = logging.getLogger(__name__)
-
-# Messages in:  ("add", request_id, prompt_ids, params, arrival, priority, deadline, user) | ("abort", request_id)
-#               ("finish", request_id, index) | ("fault", kind, seconds) | ("shutdown",)
-# Messages out: ("ready", EngineLimits, MemoryPlan) | ("failed", error) | ("step", outputs, EngineStats, time)
-#               ("reject", request_id, error)
 
 
 def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: int = logging.WARNING,
@@ -27,13 +27,14 @@ def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: in
     """
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s[core]: %(message)s")
     from llmrt.engine.core import EngineCore
+    from llmrt.executor import create_executor
 
     try:
-        core = EngineCore(config, tokenizer)
+        core = EngineCore(config, create_executor(config), tokenizer)
     except BaseException as e:  # the front end re-raises it; nothing else can be done here
-        outbox.put(("failed", e if isinstance(e, LLMRTError) else RuntimeError(f"{type(e).__name__}: {e}")))
+        outbox.put(CoreFailed(e if isinstance(e, LLMRTError) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
-    outbox.put(("ready", core.limits(), core.memory))
+    outbox.put(CoreReady(core.limits(), core.memory))
     stall = 0.0
     parent = os.getppid()
     while True:
@@ -47,41 +48,43 @@ def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: in
             if os.getppid() != parent:
                 return  # the server is gone
         outputs = []
+        acknowledged: list[str] = []
         for msg in msgs:
-            kind = msg[0]
-            if kind == "shutdown":
+            if isinstance(msg, Shutdown):
                 return
-            if kind == "add":
-                _, request_id, prompt, params, arrival, priority, deadline, user = msg
+            if isinstance(msg, AddRequest):
                 try:
-                    core.add_request(request_id, prompt, params, arrival, priority, deadline, user)
+                    core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time,
+                                     msg.priority, msg.deadline, msg.user)
+                    acknowledged.append(msg.request_id)
                 except LLMRTError as e:
-                    outbox.put(("reject", request_id, e))
-            elif kind == "abort":
-                outputs += core.abort_request(msg[1])
-            elif kind == "finish":
-                core.finish_sequence(msg[1], msg[2])
-            elif kind == "fault":
-                _, fault, seconds = msg
-                if fault == "crash":
+                    outbox.put(RequestRejected(msg.request_id, e))  # an acknowledgement too
+            elif isinstance(msg, AbortRequest):
+                outputs += core.abort_request(msg.request_id)
+            elif isinstance(msg, FinishSequence):
+                core.finish_sequence(msg.request_id, msg.index)
+            elif isinstance(msg, InjectFault):
+                if msg.kind == "crash":
                     logger.error("fault injection: engine core exits now")
                     os._exit(17)
-                if fault == "stall":
-                    stall = seconds
-                if fault == "oom":
+                if msg.kind == "stall":
+                    stall = msg.seconds
+                if msg.kind == "oom":
                     core.inject_oom_steps = 1
         if not core.has_unfinished_requests():
-            if outputs:
-                outbox.put(("step", outputs, core.stats(), time.monotonic()))
+            if outputs or acknowledged:
+                outbox.put(StepResult(outputs, core.stats(), time.monotonic(), acknowledged))
             continue
         if stall:
             logger.warning("fault injection: stalling a step for %.1f s", stall)
             time.sleep(stall)
             stall = 0.0
-            continue  # like a long step: what arrived meanwhile joins the next one
+            if outputs or acknowledged:  # like a long step: what arrives meanwhile joins the next one
+                outbox.put(StepResult(outputs, core.stats(), time.monotonic(), acknowledged))
+            continue
         try:
             outputs += core.step()
         except Exception:
             logger.error("engine core step failed:\n%s", traceback.format_exc())
             os._exit(18)  # the front end sees the process die and fails in-flight requests as engine_dead
-        outbox.put(("step", outputs, core.stats(), time.monotonic()))
+        outbox.put(StepResult(outputs, core.stats(), time.monotonic(), acknowledged))

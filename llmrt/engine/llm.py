@@ -9,6 +9,7 @@ from llmrt.config import EngineConfig
 from llmrt.engine.core import EngineCore
 from llmrt.engine.output_processor import OutputProcessor, RequestState
 from llmrt.errors import InvalidRequestError
+from llmrt.executor import create_executor
 from llmrt.outputs import RequestOutput
 from llmrt.sampling_params import SamplingParams
 from llmrt.tokenizer import Tokenizer, load_tokenizer
@@ -23,7 +24,7 @@ class LLM:
                  chat_template: Optional[str] = None, **engine_options: Any):
         self.config = EngineConfig.create(model, dtype=dtype, **engine_options)
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer or self.config.model.model, chat_template)
-        self.engine = EngineCore(self.config, self.tokenizer.hf)
+        self.engine = EngineCore(self.config, create_executor(self.config), self.tokenizer.hf)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

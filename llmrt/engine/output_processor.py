@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from llmrt.engine.scheduler import EngineCoreOutput
+from llmrt.engine.messages import EngineCoreOutput, FinishReason, StopReason
 from llmrt.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
 from llmrt.sampling_params import SamplingParams
 from llmrt.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -20,14 +20,14 @@ class SampleState:
     text: str = ""
     logprobs: Optional[list[Logprobs]] = None
     cumulative_logprob: Optional[float] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[object] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: StopReason = None
 
     def to_output(self) -> CompletionOutput:
         """A snapshot as a CompletionOutput."""
         return CompletionOutput(self.index, self.text, list(self.token_ids), self.cumulative_logprob,
                                 list(self.logprobs) if self.logprobs is not None else None,
-                                self.finish_reason, self.stop_reason)
+                                str(self.finish_reason) if self.finish_reason else None, self.stop_reason)
 
 
 @dataclass
@@ -124,7 +124,7 @@ class OutputProcessor:
             return None
         for s in state.samples:
             if s.finish_reason is None:
-                s.finish_reason = "abort"
+                s.finish_reason = FinishReason.ABORT
         state.error = error
         return state
 
@@ -139,7 +139,7 @@ class OutputProcessor:
             if idx != -1:
                 end = idx + len(stop) if params.include_stop_str_in_output else idx
                 sample.text = sample.text[:end]
-                sample.finish_reason, sample.stop_reason = "stop", stop
+                sample.finish_reason, sample.stop_reason = FinishReason.STOP, stop
                 return True
         return False
 

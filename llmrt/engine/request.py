@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from llmrt.engine.messages import FinishReason, StopReason
 from llmrt.sampling_params import SamplingParams
 
 
@@ -66,8 +67,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[int] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: StopReason = None
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # prefix-cache names of full blocks
     num_cached_blocks: int = 0  # leading blocks already named in the prefix cache
     host_block_ids: list[int] = field(default_factory=list)  # swapped out: where its KV waits in host memory

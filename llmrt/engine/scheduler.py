@@ -4,68 +4,16 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 from llmrt.config import SchedulerConfig
 from llmrt.engine.kv_cache import BlockManager, HostBlockPool
+from llmrt.engine.messages import EngineCoreOutput, FinishReason, StopReason
 from llmrt.engine.policies import WaitingQueue, make_policy
 from llmrt.engine.request import Request, Sequence, SequenceStatus
+from llmrt.engine.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScheduledSequence:
-    """A sequence's share of one step: how many new tokens, and how many samples to draw after them."""
-
-    seq: Sequence
-    num_new_tokens: int
-    num_samples: int  # 0 for a prefill chunk that does not reach the end of the known tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """What the model runner executes this step."""
-
-    scheduled: list[ScheduledSequence]
-    block_copies: list[tuple[int, int]]
-    num_batched_tokens: int
-    num_preempted: int = 0
-    # Block moves the runner does before the step, in this order: swap-outs, copies, swap-ins.
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-
-    @property
-    def is_empty(self) -> bool:
-        """True when nothing runs this step."""
-        return not self.scheduled
-
-
-@dataclass
-class ModelRunnerOutput:
-    """Sampled tokens (and their logprobs) for each ScheduledSequence with num_samples > 0, in order."""
-
-    sampled_token_ids: list[list[int]]
-    logprobs: Optional[list[list[dict[int, float]]]] = None
-    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # seq_id -> rows of a span
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one sample: its new tokens and, if it ended, why."""
-
-    request_id: str
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: Optional[list[dict[int, float]]] = None
-    finish_reason: Optional[str] = None  # stop | length | abort | deadline | error
-    stop_reason: Optional[object] = None  # the stop token id; for 'error', the error code
-    first_scheduled_time: Optional[float] = None
-    num_preemptions: int = 0
-    timestamp: float = field(default_factory=time.monotonic)
-    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # with a request's first token
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (with a request's first token)
 
 
 class Scheduler:
@@ -106,11 +54,11 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return []
-        outs = [self._finish(s, "abort") for s in request.sequences if not s.is_finished]
+        outs = [self._finish(s, FinishReason.ABORT) for s in request.sequences if not s.is_finished]
         self._forget(request_id)
         return outs
 
-    def finish_sequence(self, request_id: str, index: int, reason: str = "stop") -> None:
+    def finish_sequence(self, request_id: str, index: int, reason: FinishReason = FinishReason.STOP) -> None:
         """End one sample early (the front end saw a stop string); frees its blocks."""
         request = self.requests.get(request_id)
         if request is None:
@@ -126,7 +74,7 @@ class Scheduler:
         outs: list[EngineCoreOutput] = []
         for request_id in [r for r, req in self.requests.items() if req.deadline is not None and req.deadline <= now]:
             req = self.requests[request_id]
-            outs += [self._finish(s, "deadline") for s in req.sequences if not s.is_finished]
+            outs += [self._finish(s, FinishReason.DEADLINE) for s in req.sequences if not s.is_finished]
             self._forget(request_id)
         return outs
 
@@ -138,7 +86,7 @@ class Scheduler:
             return []
         outs = []
         for seq in list(self.running):
-            outs.append(self._finish(seq, "error", "out_of_memory"))
+            outs.append(self._finish(seq, FinishReason.ERROR, "out_of_memory"))
             self._forget(seq.request.request_id)
         return outs
 
@@ -241,7 +189,7 @@ class Scheduler:
                 if target.grammar is not None and not target.grammar.accept(token):
                     # Cannot happen while the sampler applies the bitmask; never emit what breaks the grammar.
                     logger.error("request %s: token %d is outside its grammar", target.request.request_id, token)
-                    reason, stop = "abort", None
+                    reason, stop = FinishReason.ABORT, None
                 req = target.request
                 first = target.index == 0 and target.num_output_tokens == 1
                 outputs.append(EngineCoreOutput(
@@ -351,15 +299,15 @@ class Scheduler:
             children.append(child)
         return children
 
-    def _check_stop(self, seq: Sequence, token: int) -> tuple[Optional[str], Optional[int]]:
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[Optional[FinishReason], Optional[int]]:
         p = seq.params
         done_min = seq.num_output_tokens >= p.min_tokens
         if done_min and not p.ignore_eos and token in p.eos_token_ids:
-            return "stop", None
+            return FinishReason.STOP, None
         if done_min and token in p.stop_token_ids:
-            return "stop", token
+            return FinishReason.STOP, token
         if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length", None
+            return FinishReason.LENGTH, None
         return None, None
 
     def _preempt(self, seq: Sequence) -> None:
@@ -380,7 +328,7 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.add(seq)
 
-    def _finish(self, seq: Sequence, reason: str, stop: Optional[object] = None) -> EngineCoreOutput:
+    def _finish(self, seq: Sequence, reason: FinishReason, stop: StopReason = None) -> EngineCoreOutput:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):

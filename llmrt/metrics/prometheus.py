@@ -152,9 +152,6 @@ class _EngineCollector(Collector):
                       st.get("prefix_cache_queried_tokens"))
         yield counter("llmrt_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                       st.get("prefix_cache_hit_tokens"))
-        yield counter("llmrt_spec_decode_draft_tokens", "Speculative tokens proposed", st.get("spec_draft_tokens"))
-        yield counter("llmrt_spec_decode_accepted_tokens", "Speculative tokens accepted",
-                      st.get("spec_accepted_tokens"))
         yield from self._resources()
 
     def _resources(self) -> Iterator[Metric]:

@@ -5,7 +5,7 @@ import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -16,7 +16,9 @@ from llmrt.errors import ModelLoadError
 from llmrt.hardware import compute_dtype, native_half_max_rows
 from llmrt.model.layers.linear import Linear
 from llmrt.model.models.base import CausalLM
+from llmrt.model.layers.weights import weight_loader_of
 from llmrt.model.models.registry import resolve_architecture
+from llmrt.model.quantization import QuantizationConfig, get_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +50,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def build_model(hf_config: dict, arch: str, dtype: torch.dtype, compute: torch.dtype,
-                device: torch.device | str) -> CausalLM:
+                device: torch.device | str, quant_config: Optional[QuantizationConfig] = None) -> CausalLM:
     """Construct `arch`'s model with `dtype` parameters on `device`, unfilled ("meta" for sizes only)."""
     cls = resolve_architecture(arch)
     with torch.device(device), _default_dtype(dtype):
-        return cls(hf_config, compute, arch)
+        return cls(hf_config, compute, arch, quant_config=quant_config)
 
 
 def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
     """Build the model for `model_cfg` on `device` and fill it from the checkpoint."""
     arch = model_cfg.architecture
     dtype = model_cfg.torch_dtype
+    quant = get_quantization_config(model_cfg.quantization)
     try:
-        model = build_model(model_cfg.hf_config, arch, dtype, compute_dtype(device, dtype), device)
+        model = build_model(model_cfg.hf_config, arch, dtype, compute_dtype(device, dtype), device, quant)
     except KeyError as e:
         raise ModelLoadError(f"config.json of {model_cfg.model} lacks the field {e.args[0]!r} that {arch} needs")
     native_rows = native_half_max_rows(device, dtype)
@@ -68,6 +71,9 @@ def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
         if isinstance(module, Linear):
             module.native_max_rows = native_rows
     load_weights(model, Path(model_cfg.model))
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.process_weights_after_loading(module)
     return model.eval()
 
 
@@ -83,7 +89,7 @@ def _target(model: CausalLM, hf_name: str) -> tuple[str, int | None]:
 
 
 def load_weights(model: CausalLM, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into its parameter; name any tensor missing or misshapen."""
+    """Hand every checkpoint tensor to its parameter's weight_loader; name any tensor missing or misshapen."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = model.tied_parameters()
     expected: set[tuple[str, int | None]] = set()
@@ -113,8 +119,11 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
                         if name not in tied:
                             unexpected.append(hf_name)
                         continue
-                    tensor = model.transform_weight(hf_name, f.get_tensor(hf_name))
-                    _copy_into(model, params[name], name, shard, tensor, hf_name)
+                    param = params[name]
+                    try:
+                        weight_loader_of(param)(param, model.transform_weight(hf_name, f.get_tensor(hf_name)), shard)
+                    except ValueError as e:
+                        raise ModelLoadError(f"tensor {hf_name!r} {e} (does config.json match the weights?)")
                     loaded.add((name, shard))
     missing = sorted(expected - loaded, key=str)
     if missing:
@@ -128,17 +137,3 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
 def _is_packed(model: CausalLM, name: str) -> bool:
     fused = {v[0] for v in model.packed_modules.values()}
     return any(part in fused for part in name.split("."))
-
-
-def _copy_into(model: CausalLM, param: torch.nn.Parameter, name: str, shard: int | None,
-               tensor: torch.Tensor, hf_name: str) -> None:
-    target = param.data
-    if shard is not None:
-        module = model.get_submodule(name.rsplit(".", 1)[0])
-        target = target[module.shard_slice(shard)]
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ModelLoadError(
-            f"tensor {hf_name!r} has shape {tuple(tensor.shape)} but the model expects {tuple(target.shape)} "
-            "(does config.json match the weights?)"
-        )
-    target.copy_(tensor)

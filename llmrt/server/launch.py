@@ -16,7 +16,7 @@ logger = logging.getLogger("llmrt.server")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The server's own flags (the engine's come from llmrt.cli.add_engine_arguments)."""
+    """The server's own flags (the engine's come from llmrt.engine_args.add_engine_arguments)."""
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000,
@@ -61,7 +61,7 @@ def run_server(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from llmrt.cli import engine_kwargs
+    from llmrt.engine_args import engine_kwargs
     from llmrt.config import EngineConfig
     from llmrt.engine.async_llm import AsyncLLM
     from llmrt.server.app import build_app

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from llmrt.model.layers.attention import Attention, AttentionMetadata
+from llmrt.model.layers.attention import Attention
 from llmrt.model.layers.linear import Linear
 
 
@@ -38,7 +38,7 @@ class CausalLM(nn.Module):
         self.compute_dtype = compute_dtype
         self.lm_head: Linear
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,12 @@ from torch import nn
 
 from llmrt.errors import UnsupportedError
 from llmrt.model.layers.activation import get_activation
-from llmrt.model.layers.attention import Attention, AttentionMetadata
+from llmrt.model.layers.attention import Attention
 from llmrt.model.layers.embedding import Embedding
 from llmrt.model.layers.linear import Linear
 from llmrt.model.layers.norms import LayerNorm
 from llmrt.model.models.base import CausalLM
+from llmrt.model.quantization import QuantizationConfig
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -20,7 +21,7 @@ _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 class GPT2Block(nn.Module):
     """ln_1 -> attention -> residual, ln_2 -> MLP -> residual."""
 
-    def __init__(self, c: dict[str, Any], dtype: torch.dtype):
+    def __init__(self, c: dict[str, Any], dtype: torch.dtype, quant: Optional[QuantizationConfig]):
         super().__init__()
         d, heads = c["n_embd"], c["n_head"]
         inner = c.get("n_inner") or 4 * d
@@ -28,14 +29,14 @@ class GPT2Block(nn.Module):
         self.heads, self.head_dim = heads, d // heads
         self.ln_1 = LayerNorm(d, eps)
         self.ln_2 = LayerNorm(d, eps)
-        self.c_attn = Linear(d, [d, d, d], True, dtype)
-        self.attn_c_proj = Linear(d, [d], True, dtype)
-        self.c_fc = Linear(d, [inner], True, dtype)
-        self.mlp_c_proj = Linear(inner, [d], True, dtype)
+        self.c_attn = Linear(d, [d, d, d], True, dtype, quant)
+        self.attn_c_proj = Linear(d, [d], True, dtype, quant)
+        self.c_fc = Linear(d, [inner], True, dtype, quant)
+        self.mlp_c_proj = Linear(inner, [d], True, dtype, quant)
         self.attn = Attention(heads, heads, self.head_dim, self.head_dim ** -0.5)
         self.act = get_activation(c.get("activation_function", "gelu_new"))
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: Any) -> torch.Tensor:
         q, k, v = self.c_attn(self.ln_1(x)).view(-1, 3, self.heads, self.head_dim).unbind(1)
         x = x + self.attn_c_proj(self.attn(q, k, v, meta).reshape(x.shape[0], -1))
         return x + self.mlp_c_proj(self.act(self.c_fc(self.ln_2(x))))
@@ -46,7 +47,8 @@ class GPT2LMHeadModel(CausalLM):
 
     ignored_suffixes = (".attn.bias", ".attn.masked_bias")
 
-    def __init__(self, hf_config: dict[str, Any], compute_dtype: torch.dtype, architecture: str = "GPT2LMHeadModel"):
+    def __init__(self, hf_config: dict[str, Any], compute_dtype: torch.dtype, architecture: str = "GPT2LMHeadModel",
+                 quant_config: Optional[QuantizationConfig] = None):
         super().__init__(hf_config, compute_dtype)
         c = hf_config
         if c.get("scale_attn_by_inverse_layer_idx") or c.get("add_cross_attention"):
@@ -55,12 +57,12 @@ class GPT2LMHeadModel(CausalLM):
             raise UnsupportedError("GPT-2 with scale_attn_weights=false is not supported")
         self.wte = Embedding(c["vocab_size"], c["n_embd"], compute_dtype)
         self.wpe = Embedding(c["n_positions"], c["n_embd"], compute_dtype)
-        self.h = nn.ModuleList(GPT2Block(c, compute_dtype) for _ in range(c["n_layer"]))
+        self.h = nn.ModuleList(GPT2Block(c, compute_dtype, quant_config) for _ in range(c["n_layer"]))
         self.ln_f = LayerNorm(c["n_embd"], c.get("layer_norm_epsilon", 1e-5))
         self.lm_head = Linear(c["n_embd"], [c["vocab_size"]], False, compute_dtype)
         self.lm_head.weight = self.wte.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         x = self.wte(input_ids) + self.wpe(positions)
         for block in self.h:
             x = block(x, meta)

@@ -8,12 +8,13 @@ import torch
 from torch import nn
 
 from llmrt.model.layers.activation import gated, get_activation
-from llmrt.model.layers.attention import Attention, AttentionMetadata
+from llmrt.model.layers.attention import Attention
 from llmrt.model.layers.embedding import Embedding
 from llmrt.model.layers.linear import Linear
 from llmrt.model.layers.norms import RMSNorm
 from llmrt.model.layers.rotary import RotaryEmbedding, rope_parameters
 from llmrt.model.models.base import CausalLM
+from llmrt.model.quantization import QuantizationConfig
 
 
 @dataclass(frozen=True)
@@ -65,19 +66,20 @@ class LlamaArch:
 class LlamaAttention(nn.Module):
     """Fused QKV projection, optional q/k norm, RoPE, paged attention, output projection."""
 
-    def __init__(self, a: LlamaArch, rotary: RotaryEmbedding, window: Optional[int], dtype: torch.dtype):
+    def __init__(self, a: LlamaArch, rotary: RotaryEmbedding, window: Optional[int], dtype: torch.dtype,
+                 quant: Optional[QuantizationConfig]):
         super().__init__()
         self.a = a
         self.q_size, self.kv_size = a.heads * a.head_dim, a.kv_heads * a.head_dim
-        self.qkv_proj = Linear(a.hidden, [self.q_size, self.kv_size, self.kv_size], a.qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, [a.hidden], a.o_bias, dtype)
+        self.qkv_proj = Linear(a.hidden, [self.q_size, self.kv_size, self.kv_size], a.qkv_bias, dtype, quant)
+        self.o_proj = Linear(self.q_size, [a.hidden], a.o_bias, dtype, quant)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.eps)
             self.k_norm = RMSNorm(a.head_dim, a.eps)
         self.rotary = rotary
         self.attn = Attention(a.heads, a.kv_heads, a.head_dim, a.head_dim ** -0.5, window)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.a.heads, self.a.head_dim)
         k = k.view(-1, self.a.kv_heads, self.a.head_dim)
@@ -91,10 +93,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """Gated MLP with gate and up projections fused into one matmul."""
 
-    def __init__(self, a: LlamaArch, dtype: torch.dtype):
+    def __init__(self, a: LlamaArch, dtype: torch.dtype, quant: Optional[QuantizationConfig]):
         super().__init__()
-        self.gate_up_proj = Linear(a.hidden, [a.intermediate, a.intermediate], a.mlp_bias, dtype)
-        self.down_proj = Linear(a.intermediate, [a.hidden], a.mlp_bias, dtype)
+        self.gate_up_proj = Linear(a.hidden, [a.intermediate, a.intermediate], a.mlp_bias, dtype, quant)
+        self.down_proj = Linear(a.intermediate, [a.hidden], a.mlp_bias, dtype, quant)
         self.act = get_activation(a.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,15 +106,16 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with the residual carried alongside."""
 
-    def __init__(self, a: LlamaArch, rotary: RotaryEmbedding, window: Optional[int], dtype: torch.dtype):
+    def __init__(self, a: LlamaArch, rotary: RotaryEmbedding, window: Optional[int], dtype: torch.dtype,
+                 quant: Optional[QuantizationConfig]):
         super().__init__()
-        self.self_attn = LlamaAttention(a, rotary, window, dtype)
-        self.mlp = LlamaMLP(a, dtype)
+        self.self_attn = LlamaAttention(a, rotary, window, dtype, quant)
+        self.mlp = LlamaMLP(a, dtype, quant)
         self.input_layernorm = RMSNorm(a.hidden, a.eps)
         self.post_attention_layernorm = RMSNorm(a.hidden, a.eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -125,14 +128,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder stack and final norm."""
 
-    def __init__(self, a: LlamaArch, rope: dict[str, Any], dtype: torch.dtype):
+    def __init__(self, a: LlamaArch, rope: dict[str, Any], dtype: torch.dtype, quant: Optional[QuantizationConfig]):
         super().__init__()
         self.embed_tokens = Embedding(a.vocab, a.hidden, dtype)
         rotary = RotaryEmbedding(a.head_dim, a.max_positions, rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rotary, a.sliding_windows[i], dtype) for i in range(a.layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rotary, a.sliding_windows[i], dtype, quant)
+                                    for i in range(a.layers))
         self.norm = RMSNorm(a.hidden, a.eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
@@ -149,15 +153,17 @@ class LlamaForCausalLM(CausalLM):
     }
     ignored_suffixes = ("rotary_emb.inv_freq",)
 
-    def __init__(self, hf_config: dict[str, Any], compute_dtype: torch.dtype, architecture: str = "LlamaForCausalLM"):
+    def __init__(self, hf_config: dict[str, Any], compute_dtype: torch.dtype, architecture: str = "LlamaForCausalLM",
+                 quant_config: Optional[QuantizationConfig] = None):
         super().__init__(hf_config, compute_dtype)
         self.arch = LlamaArch.from_hf(hf_config, architecture)
-        self.model = LlamaModel(self.arch, rope_parameters(hf_config), compute_dtype)
+        # The LM head stays unquantized (as in vLLM): its logits set every sampling decision.
+        self.model = LlamaModel(self.arch, rope_parameters(hf_config), compute_dtype, quant_config)
         self.lm_head = Linear(self.arch.hidden, [self.arch.vocab], False, compute_dtype)
         if self.arch.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def tied_parameters(self) -> dict[str, str]:

@@ -1,0 +1,142 @@
+"""The portable `torch` backend: torch SDPA over K/V gathered from the paged cache (CPU and CUDA alike)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+
+from llmrt.attention.base import AttentionBackend, register_attention_backend
+from llmrt.attention.metadata import CommonAttentionMetadata
+
+if TYPE_CHECKING:
+    from llmrt.model.layers.attention import Attention
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's run of new tokens in the flat batch (a whole prompt, a prompt chunk or a recompute)."""
+
+    start: int  # first token of the span in the flat batch
+    length: int  # number of new tokens
+    context_len: int  # tokens visible to the span's last query, new ones included
+    block_table: torch.Tensor  # [num_blocks] block ids holding positions [0, context_len)
+
+    @property
+    def has_prior_context(self) -> bool:
+        """True when earlier tokens of the sequence are already in the cache (chunked prefill, recompute)."""
+        return self.context_len > self.length
+
+
+@dataclass
+class TorchAttentionMetadata:
+    """Decodes as one padded batch, prefills as spans; masks built on first use and shared by all layers."""
+
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_block_tables: Optional[torch.Tensor]  # [num_decodes, max decode blocks], contiguous
+    decode_context_lens: Optional[torch.Tensor]  # [num_decodes]
+    prefills: list[PrefillSpan]
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def decode_mask(self, block_size: int, window: Optional[int]) -> torch.Tensor:
+        """[num_decodes, 1, 1, L] bool: which padded key positions each decode may attend to."""
+        key = ("decode", window)
+        if key not in self._masks:
+            lens = self.decode_context_lens
+            pos = torch.arange(self.decode_block_tables.shape[1] * block_size, device=lens.device)
+            mask = pos[None, :] < lens[:, None]
+            if window is not None:
+                mask &= pos[None, :] > (lens[:, None] - 1 - window)
+            self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, index: int, window: Optional[int]) -> Optional[torch.Tensor]:
+        """[length, context_len] bool causal mask aligned to the span's end; None when is_causal suffices."""
+        span = self.prefills[index]
+        if not span.has_prior_context and window is None:
+            return None
+        key = ("prefill", index, window)
+        if key not in self._masks:
+            device = span.block_table.device
+            q_pos = torch.arange(span.context_len - span.length, span.context_len, device=device)
+            k_pos = torch.arange(span.context_len, device=device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            if window is not None:
+                mask &= k_pos[None, :] > (q_pos[:, None] - window)
+            self._masks[key] = mask
+        return self._masks[key]
+
+
+@register_attention_backend
+class TorchAttentionBackend(AttentionBackend):
+    """The reference backend: gathers each step's context blocks, then runs torch SDPA.
+
+    Decodes run as one batched SDPA; prefill spans run one SDPA each, because torch has no variable-length
+    SDPA on CPU and padding every span to the longest would cost quadratic work in the padding.
+    """
+
+    name = "torch"
+    device_types = ("cpu", "cuda")
+    priority = 0
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        bs, d = common.block_size, common.num_decodes
+        tables = lens = None
+        if d:
+            width = -(-max(common.seq_lens_cpu[:d]) // bs)
+            tables = common.block_tables[:d, :width].contiguous()
+            lens = common.seq_lens[:d]
+        spans = []
+        qsl = common.query_start_loc_cpu
+        for i in range(d, common.num_seqs):
+            ctx = common.seq_lens_cpu[i]
+            spans.append(PrefillSpan(qsl[i], qsl[i + 1] - qsl[i], ctx, common.block_tables[i, :-(-ctx // bs)]))
+        return TorchAttentionMetadata(common.slot_mapping, d, tables, lens, spans)
+
+    def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: TorchAttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = layer.k_cache, layer.v_cache
+        heads, dim = layer.num_kv_heads, layer.head_dim
+        block_size = k_cache.shape[1]
+        k_cache.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+        out = torch.empty_like(q)
+        d = meta.num_decodes
+        if d:
+            out[:d] = self._decode(layer, q[:d], meta, block_size)
+        for i, span in enumerate(meta.prefills):
+            rows = slice(span.start, span.start + span.length)
+            if span.has_prior_context:
+                idx = span.block_table
+                ks = k_cache.index_select(0, idx).view(-1, heads, dim)[: span.context_len]
+                vs = v_cache.index_select(0, idx).view(-1, heads, dim)[: span.context_len]
+            else:
+                ks, vs = k[rows], v[rows]
+            mask = meta.prefill_mask(i, layer.sliding_window)
+            out[rows] = self._prefill(layer, q[rows], ks.to(q.dtype), vs.to(q.dtype), mask)
+        return out
+
+    @staticmethod
+    def _prefill(layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: Optional[torch.Tensor]) -> torch.Tensor:
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, tokens, head_dim]
+        o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                           is_causal=mask is None, scale=layer.scale, enable_gqa=layer.gqa)
+        return o[0].transpose(0, 1)
+
+    @staticmethod
+    def _decode(layer: "Attention", q: torch.Tensor, meta: TorchAttentionMetadata, block_size: int) -> torch.Tensor:
+        tables = meta.decode_block_tables
+        n, span = tables.shape[0], tables.shape[1] * block_size
+        flat = tables.view(-1)
+        heads, dim = layer.num_kv_heads, layer.head_dim
+        # index_select copies whole blocks; advanced indexing (cache[tables]) is several times slower on CPU.
+        k = layer.k_cache.index_select(0, flat).view(n, span, heads, dim).transpose(1, 2)
+        v = layer.v_cache.index_select(0, flat).view(n, span, heads, dim).transpose(1, 2)
+        mask = meta.decode_mask(block_size, layer.sliding_window)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                           scale=layer.scale, enable_gqa=layer.gqa)
+        return o.squeeze(2)

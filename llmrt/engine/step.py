@@ -1,0 +1,44 @@
+"""What one step carries between the scheduler and the executor: the schedule in, the sampled tokens out."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from llmrt.engine.request import Sequence
+
+
+@dataclass
+class ScheduledSequence:
+    """A sequence's share of one step: how many new tokens, and how many samples to draw after them."""
+
+    seq: "Sequence"
+    num_new_tokens: int
+    num_samples: int  # 0 for a prefill chunk that does not reach the end of the known tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What the executor runs this step."""
+
+    scheduled: list[ScheduledSequence]
+    block_copies: list[tuple[int, int]]
+    num_batched_tokens: int
+    num_preempted: int = 0
+    # Block moves the workers do before the step, in this order: swap-outs, copies, swap-ins.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing runs this step."""
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens (and their logprobs) for each ScheduledSequence with num_samples > 0, in order."""
+
+    sampled_token_ids: list[list[int]]
+    logprobs: Optional[list[list[dict[int, float]]]] = None
+    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # seq_id -> rows of a span

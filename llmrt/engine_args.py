@@ -1,0 +1,89 @@
+"""The engine's command-line flags, with every default read from the config dataclasses (their one home)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from llmrt.config import (DEFAULT_CPU_KV_CACHE_BYTES, PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig,
+                          EngineConfig, ModelConfig, SchedulerConfig)
+
+_GiB = 1 << 30
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of dataclass field `name` of `cls`."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '24GB', '1000' -> bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    t = text.strip().lower()
+    for unit, mult in units.items():
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(t)
+
+
+def _gib(n: int) -> str:
+    return f"{n / _GiB:g}GiB"
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags that configure the engine; the same names as LLM(...) keyword arguments."""
+    from llmrt.attention import ATTENTION_BACKENDS
+
+    c, s = CacheConfig, SchedulerConfig
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default=default_of(ModelConfig, "dtype"), choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and KV-cache dtype; auto takes the checkpoint's (default: %(default)s)")
+    g.add_argument("--device", default=default_of(EngineConfig, "device"),
+                   help="cpu, cuda or cuda:N; auto picks cuda when present (default: %(default)s)")
+    g.add_argument("--attention-backend", default=default_of(EngineConfig, "attention_backend"),
+                   choices=["auto", *sorted(ATTENTION_BACKENDS)],
+                   help="attention kernels; auto picks the best one for the device (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length)")
+    g.add_argument("--block-size", type=int, default=default_of(c, "block_size"),
+                   help="tokens per KV-cache block (default: %(default)s)")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help=f"bytes for KV blocks on CPU, e.g. 2GiB (default: {_gib(DEFAULT_CPU_KV_CACHE_BYTES)}, capped "
+                        "at what max-num-seqs sequences of max-model-len tokens could use)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=default_of(c, "gpu_memory_utilization"),
+                   help="fraction of GPU memory llmrt may use for weights, activations and KV (default: %(default)s)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
+    g.add_argument("--max-num-seqs", type=int, default=default_of(s, "max_num_seqs"),
+                   help="most sequences in one batch (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=default_of(s, "max_num_batched_tokens"),
+                   help="token budget of one step; long prompts are prefilled in chunks of at most this "
+                        "(default: %(default)s)")
+    g.add_argument("--scheduling-policy", default=default_of(s, "policy"), choices=list(SCHEDULING_POLICIES),
+                   help="order of waiting work: fcfs; priority (the request's `priority`, lower first, may preempt "
+                        "lower priorities); short-first (fewest remaining prompt tokens, with aging); fair (token "
+                        "shares across the request's `user`) (default: %(default)s)")
+    g.add_argument("--short-first-aging-steps", type=int, default=default_of(s, "short_first_aging_steps"),
+                   help="short-first: after waiting this many steps no later arrival passes a request "
+                        "(default: %(default)s)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV of prompt blocks earlier requests computed (prefix caching is on by default)")
+    g.add_argument("--preemption-mode", default=default_of(s, "preemption_mode"), choices=list(PREEMPTION_MODES),
+                   help="when KV blocks run out, a preempted sequence's KV is dropped and recomputed later, or "
+                        "swapped to host memory and back (default: %(default)s)")
+    g.add_argument("--swap-space", type=parse_bytes, default=default_of(c, "swap_space"),
+                   help=f"host memory for swapped-out KV blocks with --preemption-mode swap, e.g. 4GiB "
+                        f"(default: {_gib(default_of(c, 'swap_space'))})")
+    g.add_argument("--kv-watermark", type=float, default=default_of(s, "kv_watermark"),
+                   help="fraction of KV blocks new admissions leave free, so running sequences can grow before "
+                        "anyone is preempted (default: %(default)s)")
+
+
+_ENGINE_KEYS = ("dtype", "device", "attention_backend", "max_model_len", "block_size", "kv_cache_memory",
+                "gpu_memory_utilization", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
+                "scheduling_policy", "short_first_aging_steps", "enable_prefix_caching", "preemption_mode",
+                "swap_space", "kv_watermark")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags as LLM(...) keyword arguments."""
+    return {k: getattr(args, k) for k in _ENGINE_KEYS}

@@ -1,0 +1,23 @@
+"""Executors by `distributed_executor_backend` name; a new one is one file plus a line here."""
+from __future__ import annotations
+
+from llmrt.config import EngineConfig
+from llmrt.errors import UnsupportedError
+from llmrt.executor.base import Executor
+from llmrt.executor.uniproc import UniProcExecutor
+
+EXECUTORS: dict[str, type[Executor]] = {
+    UniProcExecutor.name: UniProcExecutor,
+}
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """The executor the config asks for; an unknown name is refused before anything is loaded."""
+    name = config.parallel.distributed_executor_backend
+    if name not in EXECUTORS:
+        raise UnsupportedError(f"executor backend {name!r} is not supported; supported: {', '.join(EXECUTORS)}",
+                               param="distributed_executor_backend")
+    return EXECUTORS[name](config)
+
+
+__all__ = ["EXECUTORS", "Executor", "UniProcExecutor", "create_executor"]

@@ -1,0 +1,124 @@
+"""A worker: one rank's device, its model shard (through its ModelRunner) and its KV-cache tensors."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from llmrt.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from llmrt.engine.memory_plan import MemoryPlan, kv_budget_bytes, num_kv_blocks
+from llmrt.engine.step import ModelRunnerOutput, SchedulerOutput
+from llmrt.errors import OutOfMemoryError
+from llmrt.hardware import device_memory_free_total, tune_cpu_allocator
+from llmrt.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per attention layer: (K, V) [blocks, block_size, heads, dim]
+
+
+class Worker:
+    """Owns a device and everything on it: the model, the KV blocks and the host swap pool."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            tune_cpu_allocator()
+        torch.manual_seed(config.model.seed)
+        self.model_runner = ModelRunner(config, self.device)
+        self.block_size = config.cache.block_size
+        self.kv_dtype = config.model.torch_dtype
+        self.kv_caches: KVCache = []
+        self.host_cache: KVCache = []  # swap space, same layout in host memory
+        self.memory: Optional[MemoryPlan] = None
+
+    # -- start-up --------------------------------------------------------------------------------------
+    def initialize_cache(self) -> MemoryPlan:
+        """Size the KV cache from the memory budget left after weights and activations, and allocate it."""
+        cc = self.config.cache
+        runner = self.model_runner
+        weights = runner.weights_bytes()
+        activation = runner.profile_activation_peak(self._allocate)
+        per_token = runner.kv_spec.bytes_per_token(self.kv_dtype)
+        block_bytes = per_token * self.block_size
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            _, total = device_memory_free_total(self.device)
+            used_elsewhere = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            budget = kv_budget_bytes(total, cc.gpu_memory_utilization, weights, activation, used_elsewhere)
+            num_blocks = num_kv_blocks(budget, per_token, self.block_size)
+        else:
+            budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_BYTES
+            num_blocks = num_kv_blocks(budget, per_token, self.block_size)
+            if cc.kv_cache_memory is None:
+                # A default budget never allocates more than the scheduler could ever fill.
+                useful = self.config.scheduler.max_num_seqs * -(-self.config.model.max_model_len // self.block_size)
+                num_blocks = min(num_blocks, useful)
+        if num_blocks < 1:
+            raise_oom(weights, activation, block_bytes)
+        self.kv_caches = self._allocate(num_blocks)
+        runner.bind_kv_cache(self.kv_caches)
+        max_len = int(self.config.model.max_model_len)
+        contexts = tuple(c for c in (1024, 4096, 16384) if c < max_len) + (max_len,)
+        self.memory = MemoryPlan(weights, activation, per_token, self.block_size, num_blocks, contexts)
+        logger.info(self.memory.describe())
+        return self.memory
+
+    def _allocate(self, num_blocks: int, device: Optional[torch.device] = None, pin: bool = False) -> KVCache:
+        spec = self.model_runner.kv_spec
+        shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        if device is not None:  # host swap pool: untouched pages cost nothing until a block is swapped out
+            return [(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin),
+                     torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin)) for _ in range(spec.num_layers)]
+        # Zeroed, not empty: padded decode reads touch unwritten slots, and 0 * NaN would poison the output.
+        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(spec.num_layers)]
+
+    def initialize_host_cache(self, swap_bytes: int) -> int:
+        """Allocate the host-memory pool swapped-out KV blocks go to (pinned on CUDA); return its block count."""
+        per_block = self.model_runner.kv_spec.bytes_per_token(self.kv_dtype) * self.block_size
+        num = swap_bytes // per_block
+        self.host_cache = self._allocate(num, torch.device("cpu"), pin=self.device.type == "cuda")
+        logger.info("swap space: %d host blocks (%.1f MiB)", num, num * per_block / (1 << 20))
+        return num
+
+    # -- one step --------------------------------------------------------------------------------------
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step's forward pass and sampling (its block moves must have run first)."""
+        return self.model_runner.execute(step)
+
+    @torch.inference_mode()
+    def move_blocks(self, step: SchedulerOutput) -> None:
+        """Swap-outs, then copy-on-write copies, then swap-ins: a block freed by a swap-out may be the
+        destination of a copy or a swap-in in the same step."""
+        if step.swap_out:
+            dev = torch.tensor([d for d, _ in step.swap_out], device=self.device)
+            host = torch.tensor([h for _, h in step.swap_out])
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_cache):
+                hk.index_copy_(0, host, k.index_select(0, dev).to("cpu"))
+                hv.index_copy_(0, host, v.index_select(0, dev).to("cpu"))
+        if step.block_copies:
+            src = torch.tensor([s for s, _ in step.block_copies], device=self.device)
+            dst = torch.tensor([d for _, d in step.block_copies], device=self.device)
+            for k, v in self.kv_caches:
+                k[dst] = k[src]
+                v[dst] = v[src]
+        if step.swap_in:
+            host = torch.tensor([h for h, _ in step.swap_in])
+            dev = torch.tensor([d for _, d in step.swap_in], device=self.device)
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_cache):
+                k.index_copy_(0, dev, hk.index_select(0, host).to(self.device, non_blocking=True))
+                v.index_copy_(0, dev, hv.index_select(0, host).to(self.device, non_blocking=True))
+
+
+def raise_oom(weights: int, activation: int, block_bytes: int) -> None:
+    """No room for even one KV block: say the numbers."""
+    raise OutOfMemoryError(
+        f"no memory left for the KV cache: weights {weights} B and activation peak {activation} B leave less "
+        f"than one block ({block_bytes} B); raise --gpu-memory-utilization / --kv-cache-memory or lower "
+        "--max-num-batched-tokens"
+    )
