@@ -140,6 +140,49 @@ class SchedulerConfig:
             raise InvalidRequestError("short_first_aging_steps must be >= 1", param="short_first_aging_steps")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")  # llmrt.spec_decode.PROPOSERS
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: who proposes tokens, how many, and when a step is too big to speculate."""
+
+    method: Optional[str] = None  # one of SPECULATIVE_METHODS; None: off
+    num_speculative_tokens: int = 4  # most tokens proposed per sequence and step
+    ngram_min: int = 2  # ngram: shortest suffix looked up in the sequence's own tokens
+    ngram_max: int = 5  # ngram: longest suffix looked up
+    speculative_model: Optional[str] = None  # draft: a smaller checkpoint with the same vocabulary
+    speculative_max_batch_tokens: int = 16  # no speculation in steps whose own tokens reach this (compute-bound)
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            return
+        if self.method not in SPECULATIVE_METHODS:
+            raise UnsupportedError(f"speculative method {self.method!r} is not supported; supported: "
+                                   f"{', '.join(SPECULATIVE_METHODS)}", param="speculative_method")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise InvalidRequestError("num_speculative_tokens must be in [1, 16]", param="num_speculative_tokens")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidRequestError("need 1 <= ngram_min <= ngram_max", param="ngram_min")
+        if self.method == "draft" and not self.speculative_model:
+            raise InvalidRequestError("speculative method 'draft' needs a speculative_model (--speculative-model)",
+                                      param="speculative_model")
+        if self.method != "draft" and self.speculative_model:
+            raise InvalidRequestError("speculative_model is only used by the 'draft' method", param="speculative_model")
+        if self.speculative_max_batch_tokens < 2:
+            raise InvalidRequestError("speculative_max_batch_tokens must be >= 2", param="speculative_max_batch_tokens")
+
+    @property
+    def enabled(self) -> bool:
+        """True when a method is set."""
+        return self.method is not None
+
+    @property
+    def lookahead_slots(self) -> int:
+        """KV slots a running sequence needs beyond its span: a draft model writes its proposals' KV there."""
+        return self.num_speculative_tokens if self.method == "draft" else 0
+
+
 @dataclass
 class ParallelConfig:
     """How the model is split over workers; this process's rank within them."""
@@ -167,6 +210,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     device: str = "auto"
     attention_backend: str = "auto"  # a name in llmrt.attention.ATTENTION_BACKENDS, or auto for the device's best
 
@@ -179,11 +223,22 @@ class EngineConfig:
     @classmethod
     def create(cls, model: Optional[str] = None, **kwargs: Any) -> "EngineConfig":
         """Build from flat keyword arguments (the LLM() and CLI surface)."""
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "parallel": {}}
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "parallel": {}, "speculative": {}}
         owners = {
             "model": ModelConfig.__dataclass_fields__, "cache": CacheConfig.__dataclass_fields__,
             "scheduler": SchedulerConfig.__dataclass_fields__, "parallel": ParallelConfig.__dataclass_fields__,
+            "speculative": SpeculativeConfig.__dataclass_fields__,
         }
+        speculative = kwargs.pop("speculative", None)  # LLM(speculative={"method": "ngram", "num_tokens": 4})
+        if isinstance(speculative, dict):
+            spec = dict(speculative)
+            if "num_tokens" in spec:
+                spec["num_speculative_tokens"] = spec.pop("num_tokens")
+            if "model" in spec:
+                spec["speculative_model"] = spec.pop("model")
+            kwargs.update({k: v for k, v in spec.items() if k != "method"}, speculative_method=spec.get("method"))
+        if "speculative_method" in kwargs:
+            kwargs["method"] = kwargs.pop("speculative_method")
         device = kwargs.pop("device", None) or "auto"
         attention_backend = kwargs.pop("attention_backend", None) or "auto"
         if "scheduling_policy" in kwargs:
@@ -199,4 +254,5 @@ class EngineConfig:
                 raise InvalidRequestError(f"unknown engine option {key!r}", param=key)
         model_cfg = ModelConfig(model=model or os.environ.get("LLMRT_MODEL", ""), **parts["model"])
         return cls(model=model_cfg, cache=CacheConfig(**parts["cache"]), scheduler=SchedulerConfig(**parts["scheduler"]),
-                   parallel=ParallelConfig(**parts["parallel"]), device=device, attention_backend=attention_backend)
+                   parallel=ParallelConfig(**parts["parallel"]), speculative=SpeculativeConfig(**parts["speculative"]),
+                   device=device, attention_backend=attention_backend)

@@ -35,6 +35,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Constrained decoding: the output must match this (a dict of StructuredOutputs fields is accepted too).
     structured: Optional[StructuredOutputs] = None
+    # Speculative decoding, when the engine has it on: False opts this request out (it is never proposed for).
+    speculative: bool = True
 
     # Filled in by the engine from the model, not by the user.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)

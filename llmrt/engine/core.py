@@ -59,7 +59,8 @@ class EngineCore:
         host_pool = None
         if config.scheduler.preemption_mode == "swap":
             host_pool = HostBlockPool(self.executor.initialize_host_cache(config.cache.swap_space))
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len, host_pool)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len, host_pool,
+                                   config.speculative)
         self.eos_token_ids = model_eos_token_ids(config)
         self.vocab_size = self.executor.vocab_size
         self.structured = StructuredBackend(tokenizer or config.model.model, self.vocab_size, self.eos_token_ids)
@@ -67,6 +68,11 @@ class EngineCore:
         self.last_step_tokens = 0
         self.last_step_seqs = 0
         self.inject_oom_steps = 0  # fault injection: fail this many next steps with out-of-memory
+        k = config.speculative.num_speculative_tokens if config.speculative.enabled else 0
+        self.spec_proposed_by_position = [0] * k  # cumulative speculative-decoding counts (see EngineStats)
+        self.spec_accepted_by_position = [0] * k
+        self.spec_verify_steps = 0
+        self.spec_propose_seconds = 0.0
 
     @property
     def max_model_len(self) -> int:
@@ -138,6 +144,12 @@ class EngineCore:
         self.num_steps += 1
         self.last_step_tokens = sched.num_batched_tokens
         self.last_step_seqs = len(sched.scheduled)
+        if result.spec is not None:
+            for j, (p, a) in enumerate(zip(result.spec.proposed_by_position, result.spec.accepted_by_position)):
+                self.spec_proposed_by_position[j] += p
+                self.spec_accepted_by_position[j] += a
+            self.spec_verify_steps += result.spec.num_verified_seqs
+            self.spec_propose_seconds += result.spec.propose_seconds
         return expired + self.scheduler.update(sched, result)
 
     def stats(self) -> EngineStats:
@@ -149,7 +161,11 @@ class EngineCore:
                            self.num_steps, self.last_step_tokens, sch.num_preemptions_total,
                            last_step_seqs=self.last_step_seqs, num_preempted=preempted,
                            prefix_cache_queried_tokens=bm.prefix_cache_queried_tokens,
-                           prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens)
+                           prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens,
+                           spec_method=self.config.speculative.method,
+                           spec_proposed_by_position=list(self.spec_proposed_by_position),
+                           spec_accepted_by_position=list(self.spec_accepted_by_position),
+                           spec_verify_steps=self.spec_verify_steps, spec_propose_seconds=self.spec_propose_seconds)
 
 
 def validate_request(prompt: list[int], params: SamplingParams, limits: EngineLimits) -> int:

@@ -47,6 +47,8 @@ class EngineCoreOutput:
     timestamp: float = field(default_factory=time.monotonic)
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # with a request's first token
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (with a request's first token)
+    spec_proposed: int = 0  # the request's speculative proposals so far, and those accepted (cumulative)
+    spec_accepted: int = 0
 
 
 @dataclass
@@ -66,6 +68,13 @@ class EngineStats:
     # Cumulative prompt tokens looked up in the prefix cache, and those found there.
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    # Speculative decoding, cumulative: proposals verified and accepted at each draft position, spans that
+    # verified proposals, and seconds spent making proposals. Empty lists while it is off.
+    spec_method: Optional[str] = None
+    spec_proposed_by_position: list[int] = field(default_factory=list)
+    spec_accepted_by_position: list[int] = field(default_factory=list)
+    spec_verify_steps: int = 0
+    spec_propose_seconds: float = 0.0
 
     @classmethod
     def idle(cls, num_blocks: int) -> "EngineStats":

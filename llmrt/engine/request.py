@@ -40,6 +40,8 @@ class Request:
     arrival_order: int = 0  # set by the scheduler: ties between policies' ranks break by arrival
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
     user: Optional[str] = None  # the OpenAI `user` field: the fair policy shares tokens across users
+    spec_proposed: int = 0  # speculative tokens proposed for it, and those the target accepted
+    spec_accepted: int = 0
     grammar: Any = None  # the SequenceGrammar sample 0 starts with, when params.structured is set
 
     def __post_init__(self) -> None:
@@ -74,6 +76,9 @@ class Sequence:
     host_block_ids: list[int] = field(default_factory=list)  # swapped out: where its KV waits in host memory
     queued_at_step: int = 0  # the scheduler step it last joined the waiting queue (aging)
     grammar: Any = None  # its SequenceGrammar (llmrt.structured), advanced with every sampled token
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals for its next step (speculative decoding)
+    spec_acceptance: float = 1.0  # moving average of the share of its proposals the target accepted
+    spec_step: int = -1  # the scheduler step its proposals were made in (only the next step may use them)
 
     @property
     def is_swapped(self) -> bool:

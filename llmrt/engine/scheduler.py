@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Optional
 
-from llmrt.config import SchedulerConfig
+from llmrt.config import SchedulerConfig, SpeculativeConfig
 from llmrt.engine.kv_cache import BlockManager, HostBlockPool
 from llmrt.engine.messages import EngineCoreOutput, FinishReason, StopReason
 from llmrt.engine.policies import WaitingQueue, make_policy
@@ -20,8 +20,9 @@ class Scheduler:
     """Decides each step which sequences run and how many tokens each computes."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 host_pool: Optional[HostBlockPool] = None):
+                 host_pool: Optional[HostBlockPool] = None, speculative: Optional[SpeculativeConfig] = None):
         self.config = config
+        self.spec = speculative if speculative is not None and speculative.enabled else None
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.policy = make_policy(config)
@@ -116,19 +117,24 @@ class Scheduler:
         decodes = sorted((s for s in self.running if s.num_tokens - s.num_computed_tokens == 1), key=rank)
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         prefills += [s for s in self.waiting if s not in just_preempted]
+        spec_share = self._spec_share(decodes, prefills)
         admitting = True
         while budget > 0 and (decodes or prefills):
             # Ranks can change as work is scheduled (fair shares), so the next prefill is picked each time.
             seq = decodes.pop(0) if decodes else prefills.pop(min(range(len(prefills)), key=lambda i: rank(prefills[i])))
+            drafts: list[int] = []
             if seq.status is SequenceStatus.RUNNING:
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if n == 1 and spec_share:
+                    drafts = self._drafts(seq, min(spec_share, budget - 1))
+                    n += len(drafts)
                 made_room, count = self._make_room(seq, n, done)
                 preempted += count
                 if count:
                     prefills = self._running_only(prefills)
                 if not made_room:
                     continue
-                copies += self.block_manager.allocate(seq, n)
+                copies += self.block_manager.allocate(seq, n + self._lookahead(seq, n))
             elif admitting and not preempted:
                 admitted = self._admit(seq, budget, swap_in)
                 if admitted is None:
@@ -140,7 +146,7 @@ class Scheduler:
             else:
                 continue
             done.add(seq.seq_id)
-            scheduled.append(ScheduledSequence(seq, n, self._samples_after(seq, n)))
+            scheduled.append(ScheduledSequence(seq, n, self._samples_after(seq, n - len(drafts)), drafts))
             self.policy.scheduled(seq, n)
             budget -= n
         used = self.config.max_num_batched_tokens - budget
@@ -160,7 +166,8 @@ class Scheduler:
             self._host_to_release = []
 
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Advance sequences by what the step computed and sampled; finish those that hit a stop."""
+        """Advance sequences by what the step computed and sampled (rolling back rejected proposals); finish
+        those that hit a stop, also inside an accepted run of proposals."""
         outputs: list[EngineCoreOutput] = []
         k = 0
         now = time.monotonic()
@@ -170,40 +177,107 @@ class Scheduler:
             if rows:
                 have = seq.request.prompt_logprobs
                 have.extend(rows[len(have) - 1 - seq.num_computed_tokens:])  # a recompute repeats rows
-            seq.num_computed_tokens += item.num_new_tokens
-            if not seq.is_finished:
-                self.block_manager.cache_full_blocks(seq)
             if not item.num_samples:
+                seq.num_computed_tokens += item.num_new_tokens
+                if not seq.is_finished:
+                    self.block_manager.cache_full_blocks(seq)
                 continue
             tokens = result.sampled_token_ids[k]
             logprobs = result.logprobs[k] if result.logprobs else None
             k += 1
+            if item.spec_token_ids:
+                # Only the accepted proposals' KV counts: the slots of rejected ones are written over later.
+                accepted = len(tokens) - 1
+                seq.num_computed_tokens += 1 + accepted
+                self._count_acceptance(seq, len(item.spec_token_ids), accepted)
+            else:
+                seq.num_computed_tokens += item.num_new_tokens
             if seq.is_finished:  # aborted while the step ran
                 continue
-            targets = [seq]
-            if item.num_samples > 1:
-                targets += self._fork(seq, item.num_samples)
-            for j, (target, token) in enumerate(zip(targets, tokens)):
-                target.token_ids.append(token)
-                reason, stop = self._check_stop(target, token)
-                if target.grammar is not None and not target.grammar.accept(token):
-                    # Cannot happen while the sampler applies the bitmask; never emit what breaks the grammar.
-                    logger.error("request %s: token %d is outside its grammar", target.request.request_id, token)
-                    reason, stop = FinishReason.ABORT, None
-                req = target.request
-                first = target.index == 0 and target.num_output_tokens == 1
-                outputs.append(EngineCoreOutput(
-                    req.request_id, target.index, [token], [logprobs[j]] if logprobs else None, reason, stop,
-                    req.first_scheduled_time, req.num_preemptions, now,
-                    req.prompt_logprobs if first else None, req.num_cached_tokens if first else 0,
-                ))
-                if reason is not None:
-                    self._finish(target, reason, stop)
+            if item.spec_token_ids:
+                runs = [(seq, tokens, logprobs)]
+            else:
+                targets = [seq] + (self._fork(seq, item.num_samples) if item.num_samples > 1 else [])
+                runs = [(t, [tok], [logprobs[j]] if logprobs else None) for j, (t, tok) in enumerate(zip(targets, tokens))]
+            for target, run, run_logprobs in runs:
+                outputs.append(self._append_run(target, run, run_logprobs, now))
+            if not seq.is_finished:
+                seq.spec_token_ids = result.draft_token_ids.get(seq.seq_id, [])
+                seq.spec_step = self.step
+                self.block_manager.cache_full_blocks(seq)
         for req_id in {o.request_id for o in outputs if o.finish_reason}:
             req = self.requests.get(req_id)
             if req is not None and req.is_finished():
                 self._forget(req_id)
         return outputs
+
+    def _append_run(self, target: Sequence, run: list[int], logprobs: Optional[list[dict[int, float]]],
+                    now: float) -> EngineCoreOutput:
+        """Append a sample's new tokens one by one, stopping at the first that ends it."""
+        reason: Optional[FinishReason] = None
+        stop: StopReason = None
+        emitted: list[int] = []
+        for token in run:
+            target.token_ids.append(token)
+            emitted.append(token)
+            reason, stop = self._check_stop(target, token)
+            if target.grammar is not None and not target.grammar.accept(token):
+                # Cannot happen while the sampler applies the bitmask; never emit what breaks the grammar.
+                logger.error("request %s: token %d is outside its grammar", target.request.request_id, token)
+                reason, stop = FinishReason.ABORT, None
+            if reason is not None:
+                break
+        req = target.request
+        first = target.index == 0 and target.num_output_tokens == len(emitted)
+        output = EngineCoreOutput(
+            req.request_id, target.index, emitted, logprobs[:len(emitted)] if logprobs else None, reason, stop,
+            req.first_scheduled_time, req.num_preemptions, now,
+            req.prompt_logprobs if first else None, req.num_cached_tokens if first else 0,
+            spec_proposed=req.spec_proposed, spec_accepted=req.spec_accepted,
+        )
+        if reason is not None:
+            self._finish(target, reason, stop)
+        return output
+
+    # -- speculative decoding --------------------------------------------------------------------------
+    def _spec_share(self, decodes: list[Sequence], prefills: list[Sequence]) -> int:
+        """Proposals each decode may verify this step. Verifying costs little while a step is memory-bound
+        (few tokens); once the step's own tokens reach speculative_max_batch_tokens it is compute-bound and
+        nothing is proposed. The room left below that bound is shared evenly by the decodes."""
+        if self.spec is None or not decodes:
+            return 0
+        limit = self.spec.speculative_max_batch_tokens
+        tokens = len(decodes)
+        for s in prefills:
+            tokens += s.num_tokens - s.num_computed_tokens
+            if tokens >= limit:
+                return 0
+        return (limit - tokens) // len(decodes) if tokens < limit else 0
+
+    def _drafts(self, seq: Sequence, room: int) -> list[int]:
+        """The proposals `seq` verifies this step: those made in the previous step, as many as its acceptance
+        rate makes worth it (the j-th proposal pays while acceptance^j >= 1/4; always at least one, so the
+        rate keeps being measured), within its max_tokens and the context."""
+        if not seq.spec_token_ids or seq.spec_step != self.step - 1 or not seq.params.speculative:
+            return []
+        worth, a = 1, seq.spec_acceptance
+        while worth < len(seq.spec_token_ids) and a ** (worth + 1) >= 0.25:
+            worth += 1
+        left = min(seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        k = min(room, worth, left, len(seq.spec_token_ids))
+        if k <= 0 or not self.block_manager.can_allocate(seq, 1 + k):
+            return []  # proposals never cost a preemption
+        return seq.spec_token_ids[:k]
+
+    def _lookahead(self, seq: Sequence, n: int) -> int:
+        """Extra slots for a draft model's proposals after this step, when they are free to take."""
+        extra = self.spec.lookahead_slots if self.spec is not None else 0
+        return extra if extra and self.block_manager.can_allocate(seq, n + extra) else 0
+
+    def _count_acceptance(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        seq.spec_acceptance = 0.7 * seq.spec_acceptance + 0.3 * (accepted / proposed)
+        seq.request.spec_proposed += proposed
+        seq.request.spec_accepted += accepted
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _make_room(self, seq: Sequence, n: int, done: set[int]) -> tuple[bool, int]:

@@ -13,8 +13,9 @@ class ScheduledSequence:
     """A sequence's share of one step: how many new tokens, and how many samples to draw after them."""
 
     seq: "Sequence"
-    num_new_tokens: int
+    num_new_tokens: int  # 1 + len(spec_token_ids) for a decode that verifies proposals
     num_samples: int  # 0 for a prefill chunk that does not reach the end of the known tokens
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals verified in this span, after its token
 
 
 @dataclass
@@ -39,6 +40,20 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """Sampled tokens (and their logprobs) for each ScheduledSequence with num_samples > 0, in order."""
 
+    # One list per item: its n samples' tokens, or, for a span with proposals, the accepted proposals and the
+    # target's own next token (1 to k + 1 tokens of one sample).
     sampled_token_ids: list[list[int]]
     logprobs: Optional[list[list[dict[int, float]]]] = None
     prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # seq_id -> rows of a span
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> proposals for its next step
+    spec: Optional["SpecStepStats"] = None
+
+
+@dataclass
+class SpecStepStats:
+    """What speculation did in one step."""
+
+    proposed_by_position: list[int]  # [k] proposals verified at each draft position
+    accepted_by_position: list[int]  # [k] of which the target accepted
+    num_verified_seqs: int = 0  # sequences whose span carried proposals
+    propose_seconds: float = 0.0  # time spent making the next step's proposals

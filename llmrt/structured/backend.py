@@ -73,6 +73,11 @@ class SequenceGrammar:
         """Advance by one sampled token; False if the grammar does not allow it (the state is unchanged)."""
         return bool(self.matcher.accept_token(token_id))
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative proposals checked tentatively)."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
     def fork(self) -> "SequenceGrammar":
         """An independent copy at the same position (for n > 1 samples)."""
         return SequenceGrammar(self.matcher.fork())

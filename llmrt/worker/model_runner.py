@@ -10,11 +10,13 @@ import torch
 from llmrt.attention import build_common_metadata, select_attention_backend
 from llmrt.config import EngineConfig
 from llmrt.engine.memory_plan import parameter_bytes
-from llmrt.engine.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from llmrt.engine.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SpecStepStats
 from llmrt.hardware import measure_peak_memory
 from llmrt.model.layers.sampler import Sampler, SamplingMetadata
 from llmrt.model.loader import load_model
 from llmrt.sampling_params import SamplingParams
+from llmrt.spec_decode import ProposalInput, create_proposer
+from llmrt.spec_decode.verify_step import token_logprobs, verify_spans
 from llmrt.structured.backend import allocate_bitmask
 
 
@@ -24,8 +26,10 @@ class _Batch:
     positions: torch.Tensor
     meta: Any  # the attention backend's metadata for this step
     logits_indices: torch.Tensor
-    sample_items: list[ScheduledSequence]  # items with num_samples > 0, in scheduler order
+    sample_items: list[ScheduledSequence]  # items with num_samples > 0 and no proposals, in scheduler order
     prompt_spans: list[tuple[ScheduledSequence, int, int]]  # (item, flat start, rows) needing prompt logprobs
+    spec_items: list[ScheduledSequence]  # spans that verify proposals
+    spec_indices: torch.Tensor  # their k + 1 rows each, in order
 
 
 class ModelRunner:
@@ -43,6 +47,8 @@ class ModelRunner:
                               else self.model.lm_head.out_features)
         self.kv_spec = self.model.kv_cache_spec()
         self.sampler = Sampler()
+        self.spec_config = config.speculative
+        self.proposer = create_proposer(config, self)
 
     # -- start-up --------------------------------------------------------------------------------------
     def weights_bytes(self) -> int:
@@ -79,37 +85,74 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and sample for every sequence whose known tokens are now all computed."""
+        """Run one step, sample for every sequence whose known tokens are now all computed, verify the
+        proposals of spans that carry them, and make the next step's proposals."""
         batch = self._prepare(out)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        if self.proposer is not None:
+            self.proposer.observe_forward(batch.input_ids, batch.positions, batch.meta)
         prompt_logprobs = {item.seq.seq_id: self._prompt_logprobs(item, hidden[start:start + rows])
                            for item, start, rows in batch.prompt_spans}
-        if not batch.sample_items:
-            return ModelRunnerOutput([], prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        meta = self._sampling_metadata(batch.sample_items)
-        result = self.sampler(logits, meta)
-        out = self._collect(batch.sample_items, result)
-        out.prompt_logprobs = prompt_logprobs
-        return out
+        tokens: dict[int, list[int]] = {}  # id(item) -> its tokens
+        logprobs: dict[int, list[dict[int, float]]] = {}
+        want_logprobs = False
+        if batch.sample_items:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            result = self.sampler(logits, self._sampling_metadata(batch.sample_items))
+            sampled, lps = self._collect(batch.sample_items, result)
+            tokens.update((id(i), t) for i, t in zip(batch.sample_items, sampled))
+            if lps is not None:
+                want_logprobs = True
+                logprobs.update((id(i), lp) for i, lp in zip(batch.sample_items, lps))
+        spec_stats = None
+        if batch.spec_items:
+            logits = self.model.compute_logits(hidden[batch.spec_indices])
+            sampled, lps, spec_stats = verify_spans(batch.spec_items, logits, self.vocab_size,
+                                                    self.spec_config.num_speculative_tokens, self.proposer)
+            tokens.update((id(i), t) for i, t in zip(batch.spec_items, sampled))
+            if lps is not None:
+                want_logprobs = True
+                logprobs.update((id(i), lp) for i, lp in zip(batch.spec_items, lps))
+        items = [s for s in out.scheduled if s.num_samples > 0]
+        result_out = ModelRunnerOutput(
+            [tokens[id(i)] for i in items],
+            [logprobs.get(id(i), [{} for _ in tokens[id(i)]]) for i in items] if want_logprobs else None,
+            prompt_logprobs=prompt_logprobs, spec=spec_stats)
+        if self.proposer is not None and items:
+            start = time.perf_counter()
+            result_out.draft_token_ids = self._propose(items, tokens)
+            if result_out.spec is None:
+                result_out.spec = SpecStepStats([0] * self.spec_config.num_speculative_tokens,
+                                                [0] * self.spec_config.num_speculative_tokens)
+            result_out.spec.propose_seconds = time.perf_counter() - start
+        return result_out
+
+    def _propose(self, items: list[ScheduledSequence], tokens: dict[int, list[int]]) -> dict[int, list[int]]:
+        """Proposals for the next step of every single-sample sequence that sampled in this one."""
+        inputs: list[ProposalInput] = []
+        bound_by_slots = self.spec_config.lookahead_slots > 0  # a draft model writes KV at the proposals' slots
+        for item in items:
+            seq = item.seq
+            if item.num_samples != 1 or not seq.params.speculative:
+                continue
+            token_ids = seq.token_ids + tokens[id(item)]
+            limit = min(self.spec_config.num_speculative_tokens,
+                        seq.request.max_tokens - (len(token_ids) - seq.request.num_prompt_tokens) - 1,
+                        int(self.config.model.max_model_len) - len(token_ids) - 1)
+            if bound_by_slots:
+                limit = min(limit, len(seq.block_ids) * self.block_size - (len(token_ids) - 1))
+            inputs.append(ProposalInput(seq.seq_id, token_ids, seq.request.num_prompt_tokens, seq.block_ids,
+                                        max(0, limit), seq.params, seq.generator))
+        proposals = self.proposer.propose(inputs) if inputs else []
+        return {inp.seq_id: p for inp, p in zip(inputs, proposals) if p}
 
     def _prompt_logprobs(self, item: ScheduledSequence, hidden: torch.Tensor) -> list[dict[int, float]]:
         """For each prompt position in the span, the logprob of the next prompt token (and the top-K)."""
         seq = item.seq
         p0 = seq.num_computed_tokens
-        targets = torch.tensor(seq.token_ids[p0 + 1:p0 + 1 + hidden.shape[0]], device=self.device)
+        targets = seq.token_ids[p0 + 1:p0 + 1 + hidden.shape[0]]
         logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
-        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-        k = seq.params.prompt_logprobs or 0
-        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        result = []
-        for r, tok in enumerate(targets.tolist()):
-            entry = {tok: chosen[r]}
-            if k:
-                for t, v in zip(top_ids[r].tolist(), top_vals[r].tolist()):
-                    entry.setdefault(t, v)
-            result.append(entry)
-        return result
+        return token_logprobs(logprobs, targets, seq.params.prompt_logprobs or 0)
 
     def _prepare(self, out: SchedulerOutput) -> _Batch:
         # Decodes first: one-token spans, unless their row must also score a prompt token.
@@ -127,7 +170,8 @@ class ModelRunner:
             seq, n = item.seq, item.num_new_tokens
             p0 = seq.num_computed_tokens
             start = len(ids)
-            ids.extend(seq.token_ids[p0:p0 + n])
+            # A span with proposals: the sequence's last token, then the proposals to verify.
+            ids.extend(seq.token_ids[p0:p0 + n] + item.spec_token_ids)
             positions.extend(range(p0, p0 + n))
             tables.append(seq.block_ids)
             query_lens.append(n)
@@ -139,11 +183,14 @@ class ModelRunner:
         dev = self.device
         pos = torch.tensor(positions, dtype=torch.long)
         common = build_common_metadata(tables, query_lens, seq_lens, pos, len(decodes), self.block_size, dev)
-        sample_items = [s for s in out.scheduled if s.num_samples > 0]
+        sample_items = [s for s in out.scheduled if s.num_samples > 0 and not s.spec_token_ids]
+        spec_items = [s for s in out.scheduled if s.spec_token_ids]
         logits_indices = [last_index[id(s)] for s in sample_items for _ in range(s.num_samples)]
+        spec_indices = [r for s in spec_items for r in range(last_index[id(s)] - len(s.spec_token_ids), last_index[id(s)] + 1)]
         return _Batch(
             torch.tensor(ids, dtype=torch.long, device=dev), pos.to(dev), self.attn_backend.build_metadata(common),
             torch.tensor(logits_indices, dtype=torch.long, device=dev), sample_items, prompt_spans,
+            spec_items, torch.tensor(spec_indices, dtype=torch.long, device=dev),
         )
 
     def _sampling_metadata(self, items: list[ScheduledSequence]) -> SamplingMetadata:
@@ -176,7 +223,8 @@ class ModelRunner:
             row += item.num_samples
         return bitmask, rows
 
-    def _collect(self, items: list[ScheduledSequence], result) -> ModelRunnerOutput:  # type: ignore[no-untyped-def]
+    def _collect(self, items: list[ScheduledSequence],
+                 result) -> tuple[list[list[int]], Optional[list[list[dict[int, float]]]]]:  # type: ignore[no-untyped-def]
         tokens = result.sampled_token_ids.tolist()
         want_logprobs = result.logprobs is not None
         lp_vals = result.logprobs.tolist() if want_logprobs else None
@@ -198,7 +246,7 @@ class ModelRunner:
                     group.append(entry)
                 logprobs.append(group)
             row += item.num_samples
-        return ModelRunnerOutput(sampled, logprobs if want_logprobs else None)
+        return sampled, logprobs if want_logprobs else None
 
 
 def _prompt_logprob_rows(item: ScheduledSequence) -> int:

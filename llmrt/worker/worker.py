@@ -40,9 +40,10 @@ class Worker:
         """Size the KV cache from the memory budget left after weights and activations, and allocate it."""
         cc = self.config.cache
         runner = self.model_runner
-        weights = runner.weights_bytes()
-        activation = runner.profile_activation_peak(self._allocate)
-        per_token = runner.kv_spec.bytes_per_token(self.kv_dtype)
+        weights = sum(r.weights_bytes() for r in self._kv_runners)
+        activation = runner.profile_activation_peak(lambda n: self._allocate(n, runner))
+        # A draft model's KV shares the target's blocks: each block holds both.
+        per_token = sum(r.kv_spec.bytes_per_token(self.kv_dtype) for r in self._kv_runners)
         block_bytes = per_token * self.block_size
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
@@ -60,16 +61,26 @@ class Worker:
                 num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
             raise_oom(weights, activation, block_bytes)
-        self.kv_caches = self._allocate(num_blocks)
-        runner.bind_kv_cache(self.kv_caches)
+        self.kv_caches = []
+        for r in self._kv_runners:
+            caches = self._allocate(num_blocks, r)
+            r.bind_kv_cache(caches)
+            self.kv_caches += caches
         max_len = int(self.config.model.max_model_len)
         contexts = tuple(c for c in (1024, 4096, 16384) if c < max_len) + (max_len,)
         self.memory = MemoryPlan(weights, activation, per_token, self.block_size, num_blocks, contexts)
         logger.info(self.memory.describe())
         return self.memory
 
-    def _allocate(self, num_blocks: int, device: Optional[torch.device] = None, pin: bool = False) -> KVCache:
-        spec = self.model_runner.kv_spec
+    @property
+    def _kv_runners(self) -> list[ModelRunner]:
+        """Every model with KV in the cache: the target, and a draft model when one proposes."""
+        draft = getattr(self.model_runner.proposer, "runner", None)
+        return [self.model_runner] + ([draft] if draft is not None else [])
+
+    def _allocate(self, num_blocks: int, runner: ModelRunner, device: Optional[torch.device] = None,
+                  pin: bool = False) -> KVCache:
+        spec = runner.kv_spec
         shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         if device is not None:  # host swap pool: untouched pages cost nothing until a block is swapped out
             return [(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin),
@@ -80,9 +91,10 @@ class Worker:
 
     def initialize_host_cache(self, swap_bytes: int) -> int:
         """Allocate the host-memory pool swapped-out KV blocks go to (pinned on CUDA); return its block count."""
-        per_block = self.model_runner.kv_spec.bytes_per_token(self.kv_dtype) * self.block_size
+        per_block = sum(r.kv_spec.bytes_per_token(self.kv_dtype) for r in self._kv_runners) * self.block_size
         num = swap_bytes // per_block
-        self.host_cache = self._allocate(num, torch.device("cpu"), pin=self.device.type == "cuda")
+        pin = self.device.type == "cuda"
+        self.host_cache = [c for r in self._kv_runners for c in self._allocate(num, r, torch.device("cpu"), pin)]
         logger.info("swap space: %d host blocks (%.1f MiB)", num, num * per_block / (1 << 20))
         return num
 

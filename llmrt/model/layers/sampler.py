@@ -192,6 +192,32 @@ class Sampler(torch.nn.Module):
         return SamplerOutput(sampled, logprobs.gather(1, ids), ids)
 
 
+def target_probabilities(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution each row's token is drawn from, dense [S, V]: the same processors, bitmask,
+    temperature, min-p, top-k and top-p as `Sampler`, with greedy rows as a point mass on their argmax.
+    Speculative decoding verifies proposals against it."""
+    logits = _apply_processors(logits.float(), meta)
+    if meta.token_bitmask is not None:
+        logits = logits.clone()
+        apply_token_bitmask(logits, meta.token_bitmask, meta.bitmask_rows)
+    probs = (logits / meta.temperature[:, None]).clone()
+    if meta.min_p is not None:
+        _min_p_(probs, meta.min_p)
+    for group in meta.top_k_rows:
+        rows = probs[group.index]
+        kth = rows.topk(group.top_k, dim=-1).values[:, -1:]
+        probs[group.index] = rows.masked_fill(rows < kth, float("-inf"))
+    probs = probs.softmax(dim=-1)
+    if meta.top_p is not None:
+        vals, ids = probs.sort(dim=-1, descending=True)
+        probs = torch.zeros_like(probs).scatter_(1, ids, _nucleus_(vals, meta.top_p))
+        probs /= probs.sum(dim=-1, keepdim=True)
+    if meta.greedy_rows is not None:
+        idx = meta.greedy_rows.index
+        probs[idx] = torch.nn.functional.one_hot(logits[idx].argmax(dim=-1), meta.vocab_size).to(probs.dtype)
+    return probs
+
+
 def _positions(rows: list[int], token_lists: list[list[int]], vocab_size: int) -> torch.Tensor:
     """Flat positions row * V + token of every token listed for `rows`, on the CPU (duplicates kept)."""
     lens = torch.tensor([len(token_lists[i]) for i in rows], dtype=torch.long)
