@@ -5,8 +5,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from llmrt.config import (DEFAULT_CPU_KV_CACHE_BYTES, PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig,
-                          EngineConfig, ModelConfig, SchedulerConfig)
+from llmrt.config import (DEFAULT_CPU_KV_CACHE_BYTES, PREEMPTION_MODES, SCHEDULING_POLICIES, SPECULATIVE_METHODS,
+                          CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig)
 
 _GiB = 1 << 30
 
@@ -78,10 +78,30 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "anyone is preempted (default: %(default)s)")
 
 
+    sp = SpeculativeConfig
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-method", default=None, choices=list(SPECULATIVE_METHODS),
+                   help="propose tokens for the model to verify in one pass: ngram (prompt lookup in the "
+                        "sequence's own tokens) or draft (a smaller model, --speculative-model); outputs keep the "
+                        "model's own distribution (default: off)")
+    g.add_argument("--num-speculative-tokens", type=int, default=default_of(sp, "num_speculative_tokens"),
+                   help="most tokens proposed per sequence and step (default: %(default)s)")
+    g.add_argument("--ngram-min", type=int, default=default_of(sp, "ngram_min"),
+                   help="ngram: shortest suffix looked up (default: %(default)s)")
+    g.add_argument("--ngram-max", type=int, default=default_of(sp, "ngram_max"),
+                   help="ngram: longest suffix looked up (default: %(default)s)")
+    g.add_argument("--speculative-model", default=None,
+                   help="draft: a checkpoint directory with the model's vocabulary (default: none)")
+    g.add_argument("--speculative-max-batch-tokens", type=int, default=default_of(sp, "speculative_max_batch_tokens"),
+                   help="no proposals in steps whose own tokens reach this: such steps are compute-bound and "
+                        "verifying costs real work (default: %(default)s)")
+
+
 _ENGINE_KEYS = ("dtype", "device", "attention_backend", "max_model_len", "block_size", "kv_cache_memory",
                 "gpu_memory_utilization", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
                 "scheduling_policy", "short_first_aging_steps", "enable_prefix_caching", "preemption_mode",
-                "swap_space", "kv_watermark")
+                "swap_space", "kv_watermark", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
+                "speculative_model", "speculative_max_batch_tokens")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -22,6 +22,8 @@ class RequestMetrics:
     num_generation_steps: int = 0  # tokens of the longest sample
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    spec_proposed: int = 0  # speculative proposals verified for the request, and those accepted
+    spec_accepted: int = 0
     # Gaps (seconds) between the engine steps that gave sample 0 new tokens: the inter-token latencies.
     inter_token_latencies: list[float] = field(default_factory=list)
     sample0_last_token_time: Optional[float] = None
@@ -65,6 +67,7 @@ class RequestMetrics:
             "queue_time": self.queue_time, "ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e,
             "prompt_tokens": self.num_prompt_tokens, "output_tokens": self.num_output_tokens,
             "cached_tokens": self.num_cached_tokens, "preemptions": self.num_preemptions,
+            "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted,
         }
 
 

@@ -99,7 +99,7 @@ def test_counters_equal_what_was_sent(client, engine):
 def test_timing_object_on_responses_and_final_chunk(client):
     body = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).json()
     t = body["llmrt"]
-    assert set(t) == {"queue_time", "ttft", "tpot", "e2e", "cached_tokens", "preemptions"}
+    assert set(t) == {"queue_time", "ttft", "tpot", "e2e", "cached_tokens", "preemptions", "spec_proposed", "spec_accepted"}
     assert 0 <= t["ttft"] <= t["e2e"] and t["tpot"] >= 0 and t["cached_tokens"] == 0 and t["preemptions"] == 0
     body = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                      "max_tokens": 3}).json()

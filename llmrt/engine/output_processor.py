@@ -150,6 +150,8 @@ class OutputProcessor:
             m.first_scheduled_time = out.first_scheduled_time
         m.num_preemptions = max(m.num_preemptions, out.num_preemptions)
         m.num_cached_tokens = max(m.num_cached_tokens, out.num_cached_tokens)
+        m.spec_proposed = max(m.spec_proposed, out.spec_proposed)
+        m.spec_accepted = max(m.spec_accepted, out.spec_accepted)
         if out.new_token_ids:
             if m.first_token_time is None:
                 m.first_token_time = out.timestamp

@@ -117,7 +117,7 @@ class Scheduler:
         decodes = sorted((s for s in self.running if s.num_tokens - s.num_computed_tokens == 1), key=rank)
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         prefills += [s for s in self.waiting if s not in just_preempted]
-        spec_share = self._spec_share(decodes, prefills)
+        spec_share = self._spec_share(decodes, prefills, budget)
         admitting = True
         while budget > 0 and (decodes or prefills):
             # Ranks can change as work is scheduled (fair shares), so the next prefill is picked each time.
@@ -240,19 +240,19 @@ class Scheduler:
         return output
 
     # -- speculative decoding --------------------------------------------------------------------------
-    def _spec_share(self, decodes: list[Sequence], prefills: list[Sequence]) -> int:
+    def _spec_share(self, decodes: list[Sequence], prefills: list[Sequence], budget: int) -> int:
         """Proposals each decode may verify this step. Verifying costs little while a step is memory-bound
         (few tokens); once the step's own tokens reach speculative_max_batch_tokens it is compute-bound and
         nothing is proposed. The room left below that bound is shared evenly by the decodes."""
         if self.spec is None or not decodes:
             return 0
-        limit = self.spec.speculative_max_batch_tokens
-        tokens = len(decodes)
+        limit = min(self.spec.speculative_max_batch_tokens, budget)
+        tokens = len(decodes)  # the step's own tokens: its decodes, and the prefill work the budget lets in
         for s in prefills:
             tokens += s.num_tokens - s.num_computed_tokens
             if tokens >= limit:
                 return 0
-        return (limit - tokens) // len(decodes) if tokens < limit else 0
+        return (limit - tokens) // len(decodes)
 
     def _drafts(self, seq: Sequence, room: int) -> list[int]:
         """The proposals `seq` verifies this step: those made in the previous step, as many as its acceptance

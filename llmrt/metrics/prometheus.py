@@ -152,7 +152,31 @@ class _EngineCollector(Collector):
                       st.get("prefix_cache_queried_tokens"))
         yield counter("llmrt_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                       st.get("prefix_cache_hit_tokens"))
+        yield from self._speculative(st)
         yield from self._resources()
+
+    def _speculative(self, st: dict[str, Any]) -> Iterator[Metric]:
+        """Proposals and acceptances by method and draft position; only while speculative decoding is on."""
+        method = st.get("spec_method")
+        if not method:
+            return
+        proposed, accepted = st.get("spec_proposed_by_position") or [], st.get("spec_accepted_by_position") or []
+        for name, doc, values in (("llmrt_spec_decode_proposed_tokens", "Speculative tokens verified", proposed),
+                                  ("llmrt_spec_decode_accepted_tokens", "Speculative tokens the model accepted",
+                                   accepted)):
+            c = CounterMetricFamily(name, doc + ", by method and draft position (1 = first proposal)",
+                                    labels=["model", "method", "position"])
+            for j, v in enumerate(values):
+                c.add_metric([self.model, method, str(j + 1)], float(v))
+            yield c
+        c = CounterMetricFamily("llmrt_spec_decode_verify_steps", "Spans that verified proposals (one per "
+                                "sequence and step)", labels=["model", "method"])
+        c.add_metric([self.model, method], float(st.get("spec_verify_steps") or 0))
+        yield c
+        c = CounterMetricFamily("llmrt_spec_decode_propose_seconds", "Time spent making proposals",
+                                labels=["model", "method"])
+        c.add_metric([self.model, method], float(st.get("spec_propose_seconds") or 0.0))
+        yield c
 
     def _resources(self) -> Iterator[Metric]:
         rss = GaugeMetricFamily("llmrt_process_resident_memory_bytes", "Resident memory of a serving process",

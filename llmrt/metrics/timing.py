@@ -11,7 +11,8 @@ def _round(x: Optional[float]) -> Optional[float]:
 
 
 def request_timing(outputs: Sequence[Optional[RequestOutput]]) -> Optional[dict[str, Any]]:
-    """queue_time, ttft, tpot, e2e (seconds), cached prompt tokens and preemptions of one API request.
+    """queue_time, ttft, tpot, e2e (seconds), cached prompt tokens, preemptions and speculative proposals
+    verified / accepted of one API request.
 
     An API request with several prompts (one engine request each) reports the earliest queue time and first
     token, the latest end, the mean TPOT, and summed counts. None when no prompt has an output yet.
@@ -30,4 +31,6 @@ def request_timing(outputs: Sequence[Optional[RequestOutput]]) -> Optional[dict[
         "e2e": _round(max(e2e)) if e2e else None,
         "cached_tokens": sum(m.num_cached_tokens for m in metrics),
         "preemptions": sum(m.num_preemptions for m in metrics),
+        "spec_proposed": sum(m.spec_proposed for m in metrics),
+        "spec_accepted": sum(m.spec_accepted for m in metrics),
     }
