@@ -88,9 +88,19 @@ def test_queued_request_past_deadline_gets_408_without_compute():
     async def main():
         eng = await _engine(max_num_seqs=1)
         try:
-            long = asyncio.create_task(_collect(eng, "Once upon a time",
-                                                SamplingParams(max_tokens=300, temperature=0, ignore_eos=True), "long"))
-            await asyncio.sleep(0.3)
+            started = asyncio.Event()
+
+            async def long_request():
+                last = None
+                async for last in eng.generate("Once upon a time",
+                                               SamplingParams(max_tokens=300, temperature=0, ignore_eos=True), "long"):
+                    started.set()
+                return last
+            long = asyncio.create_task(long_request())
+            await started.wait()
+            # The long request holds the only slot; a stalled step makes sure it still does when `late` times out,
+            # however fast this machine decodes.
+            await eng.inject_fault("stall", 1.5)
             with pytest.raises(DeadlineExceededError, match="still queued"):
                 await _collect(eng, "Lily", GREEDY, "late", timeout=0.3)
             out = await long
