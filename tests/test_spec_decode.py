@@ -170,12 +170,11 @@ def _chi2_p_value(a: Counter, b: Counter) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-LENGTH = 5
+LENGTH = 8
 
 
-def _samples(llm: LLM) -> list[Counter]:
+def _samples(llm: LLM, prompt: list[int]) -> list[Counter]:
     """Per output position, how often each token was drawn; and how often each pair of the first two."""
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     outs = llm.generate([prompt] * SAMPLES, [SamplingParams(max_tokens=LENGTH, temperature=1.0, seed=s,
                                                             ignore_eos=True) for s in range(SAMPLES)])
     tokens = [o.outputs[0].token_ids for o in outs]
@@ -189,8 +188,11 @@ def tiny_vocab(tmp_path_factory):
     # accepted them unchecked would show up as a shift towards uniform.
     target = build_checkpoint("llama2", root / "target", vocab_size=VOCAB, initializer_range=0.3)
     draft = build_checkpoint("llama2", root / "draft", seed=1, vocab_size=VOCAB, initializer_range=0.02)
-    base = _samples(LLM(str(target), dtype="float32", max_num_seqs=64))
-    return target, draft, base
+    llm = LLM(str(target), dtype="float32", max_num_seqs=64)
+    # The prompt is the target's own greedy text, so n-gram proposals (copies of it) are often right too.
+    greedy = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    prompt = [1, 2, 3] + list(greedy[0].outputs[0].token_ids)
+    return target, draft, prompt, _samples(llm, prompt)
 
 
 def _spec_llm(target, spec) -> LLM:
@@ -200,27 +202,38 @@ def _spec_llm(target, spec) -> LLM:
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_sampling_distribution_is_the_targets(method, tiny_vocab):
-    target, draft, base = tiny_vocab
+    target, draft, prompt, base = tiny_vocab
     spec = {"method": "ngram", "ngram_min": 1, "num_tokens": 2} if method == "ngram" else \
         {"method": "draft", "model": str(draft), "num_tokens": 2}
     llm = _spec_llm(target, spec)
-    got = _samples(llm)
+    got = _samples(llm, prompt)
     st = llm.engine.stats()
-    assert sum(st.spec_accepted_by_position) > SAMPLES / 10  # speculation really took part
+    accepted, proposed = sum(st.spec_accepted_by_position), sum(st.spec_proposed_by_position)
+    # Speculation really took part, and both ways out of the rule (accepting, resampling) were taken often.
+    assert accepted > SAMPLES / 10 and proposed - accepted > SAMPLES / 10
     for j, (b, g) in enumerate(zip(base, got)):  # each position's tokens, then the joint of tokens 2 and 3
         assert _chi2_p_value(b, g) > 1e-4, f"{method}: distribution {j} differs"
 
 
+def _accept_all(target_probs, drafts, draft_probs, greedy, generator):
+    """Bug: every proposal accepted unchecked (as if q were ~0 wherever it proposes)."""
+    q = None if draft_probs is None else torch.full_like(draft_probs, 1e-9)
+    return rejection.verify(target_probs, drafts, q, greedy, generator)
+
+
+def _resample_from_target(target_probs, drafts, draft_probs, greedy, generator):
+    """Bug: after a rejection, the replacement is drawn from p instead of norm(max(0, p - q))."""
+    tokens, accepted = rejection.verify(target_probs, drafts, draft_probs, greedy, generator)
+    if accepted < len(drafts):
+        tokens[-1] = int(torch.multinomial(target_probs[accepted], 1, generator=generator).item())
+    return tokens, accepted
+
+
 @pytest.mark.slow
-def test_the_distribution_test_catches_a_wrong_acceptance_rule(tiny_vocab, monkeypatch):
-    """Accepting every proposal (a plausible bug) shifts the distribution, and the same test sees it."""
-    target, draft, base = tiny_vocab
-    real = rejection.verify
-
-    def accept_all(target_probs, drafts, draft_probs, greedy, generator):
-        return real(target_probs, drafts, None if draft_probs is None else target_probs[:len(drafts)] * 0 + 1e-9,
-                    greedy, generator)
-
-    monkeypatch.setattr("llmrt.spec_decode.verify_step.verify", accept_all)
-    got = _samples(_spec_llm(target, {"method": "draft", "model": str(draft), "num_tokens": 2}))
+@pytest.mark.parametrize("wrong_rule", [_accept_all, _resample_from_target])
+def test_the_distribution_test_catches_a_wrong_acceptance_rule(wrong_rule, tiny_vocab, monkeypatch):
+    """Two plausible bugs in the rule shift the distribution, and the same test sees each."""
+    target, draft, prompt, base = tiny_vocab
+    monkeypatch.setattr("llmrt.spec_decode.verify_step.verify", wrong_rule)
+    got = _samples(_spec_llm(target, {"method": "draft", "model": str(draft), "num_tokens": 2}), prompt)
     assert min(_chi2_p_value(b, g) for b, g in zip(base, got)) < 1e-4

@@ -11,6 +11,7 @@ from llmrt.engine.kv_cache import BlockManager, HostBlockPool
 from llmrt.engine.messages import EngineCoreOutput, FinishReason, StopReason
 from llmrt.engine.policies import WaitingQueue, make_policy
 from llmrt.engine.request import Request, Sequence, SequenceStatus
+from llmrt.engine.speculation import SpeculationPlanner
 from llmrt.engine.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
                  host_pool: Optional[HostBlockPool] = None, speculative: Optional[SpeculativeConfig] = None):
         self.config = config
-        self.spec = speculative if speculative is not None and speculative.enabled else None
+        self.spec = SpeculationPlanner(speculative, block_manager, max_model_len) \
+            if speculative is not None and speculative.enabled else None
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.policy = make_policy(config)
@@ -117,7 +119,8 @@ class Scheduler:
         decodes = sorted((s for s in self.running if s.num_tokens - s.num_computed_tokens == 1), key=rank)
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         prefills += [s for s in self.waiting if s not in just_preempted]
-        spec_share = self._spec_share(decodes, prefills, budget)
+        free_slots = self.config.max_num_seqs - len(self.running)
+        spec_share = self.spec.share(decodes, prefills, free_slots, budget) if self.spec else 0
         admitting = True
         while budget > 0 and (decodes or prefills):
             # Ranks can change as work is scheduled (fair shares), so the next prefill is picked each time.
@@ -126,7 +129,7 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if n == 1 and spec_share:
-                    drafts = self._drafts(seq, min(spec_share, budget - 1))
+                    drafts = self.spec.drafts(seq, min(spec_share, budget - 1), self.step)
                     n += len(drafts)
                 made_room, count = self._make_room(seq, n, done)
                 preempted += count
@@ -134,7 +137,7 @@ class Scheduler:
                     prefills = self._running_only(prefills)
                 if not made_room:
                     continue
-                copies += self.block_manager.allocate(seq, n + self._lookahead(seq, n))
+                copies += self.block_manager.allocate(seq, n + (self.spec.lookahead(seq, n) if self.spec else 0))
             elif admitting and not preempted:
                 admitted = self._admit(seq, budget, swap_in)
                 if admitted is None:
@@ -189,7 +192,7 @@ class Scheduler:
                 # Only the accepted proposals' KV counts: the slots of rejected ones are written over later.
                 accepted = len(tokens) - 1
                 seq.num_computed_tokens += 1 + accepted
-                self._count_acceptance(seq, len(item.spec_token_ids), accepted)
+                SpeculationPlanner.count_acceptance(seq, len(item.spec_token_ids), accepted)
             else:
                 seq.num_computed_tokens += item.num_new_tokens
             if seq.is_finished:  # aborted while the step ran
@@ -240,45 +243,6 @@ class Scheduler:
         return output
 
     # -- speculative decoding --------------------------------------------------------------------------
-    def _spec_share(self, decodes: list[Sequence], prefills: list[Sequence], budget: int) -> int:
-        """Proposals each decode may verify this step. Verifying costs little while a step is memory-bound
-        (few tokens); once the step's own tokens reach speculative_max_batch_tokens it is compute-bound and
-        nothing is proposed. The room left below that bound is shared evenly by the decodes."""
-        if self.spec is None or not decodes:
-            return 0
-        limit = min(self.spec.speculative_max_batch_tokens, budget)
-        tokens = len(decodes)  # the step's own tokens: its decodes, and the prefill work the budget lets in
-        for s in prefills:
-            tokens += s.num_tokens - s.num_computed_tokens
-            if tokens >= limit:
-                return 0
-        return (limit - tokens) // len(decodes)
-
-    def _drafts(self, seq: Sequence, room: int) -> list[int]:
-        """The proposals `seq` verifies this step: those made in the previous step, as many as its acceptance
-        rate makes worth it (the j-th proposal pays while acceptance^j >= 1/4; always at least one, so the
-        rate keeps being measured), within its max_tokens and the context."""
-        if not seq.spec_token_ids or seq.spec_step != self.step - 1 or not seq.params.speculative:
-            return []
-        worth, a = 1, seq.spec_acceptance
-        while worth < len(seq.spec_token_ids) and a ** (worth + 1) >= 0.25:
-            worth += 1
-        left = min(seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-        k = min(room, worth, left, len(seq.spec_token_ids))
-        if k <= 0 or not self.block_manager.can_allocate(seq, 1 + k):
-            return []  # proposals never cost a preemption
-        return seq.spec_token_ids[:k]
-
-    def _lookahead(self, seq: Sequence, n: int) -> int:
-        """Extra slots for a draft model's proposals after this step, when they are free to take."""
-        extra = self.spec.lookahead_slots if self.spec is not None else 0
-        return extra if extra and self.block_manager.can_allocate(seq, n + extra) else 0
-
-    def _count_acceptance(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        seq.spec_acceptance = 0.7 * seq.spec_acceptance + 0.3 * (accepted / proposed)
-        seq.request.spec_proposed += proposed
-        seq.request.spec_accepted += accepted
-
     # -- helpers ---------------------------------------------------------------------------------------
     def _make_room(self, seq: Sequence, n: int, done: set[int]) -> tuple[bool, int]:
         """Preempt the policy's victims (never one already scheduled this step) until `seq`'s next `n` tokens

@@ -83,6 +83,8 @@ class _SamplingFields(_Request):
     stop_token_ids: Optional[list[int]] = Field(None, description="token ids that end a sample")
     skip_special_tokens: Optional[bool] = Field(True, description="leave special tokens out of the text")
     include_stop_str_in_output: Optional[bool] = Field(False, description="keep the matched stop string in the text")
+    speculative: Optional[bool] = Field(True, description="false: never verify speculative proposals for this "
+                                                          "request (the output distribution is the same either way)")
     priority: Optional[int] = Field(0, description="scheduling priority (used by priority scheduling policies)")
     timeout: Optional[float] = Field(
         None, description="seconds this request may take in all; past it the request fails with 408 "
@@ -146,6 +148,9 @@ class RequestTiming(_Response):
     e2e: Optional[float] = Field(None, description="arrival to finish")
     cached_tokens: int = Field(0, description="prompt tokens served from the prefix cache")
     preemptions: int = Field(0, description="times a sample was preempted and recomputed")
+    spec_proposed: int = Field(0, description="speculative proposals verified for this request")
+    spec_accepted: int = Field(0, description="speculative proposals accepted (each one a token without its "
+                                              "own step)")
 
 
 class CompletionResponse(_Response):

@@ -97,7 +97,7 @@ def sampling_params(req: P._SamplingFields, *, max_tokens: Optional[int], logpro
         **kw, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
         ignore_eos=bool(req.ignore_eos), skip_special_tokens=req.skip_special_tokens is not False,
         include_stop_str_in_output=bool(req.include_stop_str_in_output), logit_bias=_logit_bias(req.logit_bias),
-        structured=structured_outputs(req))
+        structured=structured_outputs(req), speculative=req.speculative is not False)
 
 
 def structured_outputs(req: P._SamplingFields) -> Optional[StructuredOutputs]:
