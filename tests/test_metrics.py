@@ -162,6 +162,11 @@ def test_timeline_samples_engine_and_latency_percentiles():
         tl.sample()
     cols = tl.columns()["series"]
     assert len(cols["t"]) == 3 and cols["kv_usage"] == [pytest.approx(0.75)] * 3
+    assert s.spec_acceptance is None  # nothing proposed
+    stats.update(spec_proposed_by_position=[8, 4], spec_accepted_by_position=[7, 2])
+    assert tl.sample().spec_acceptance == pytest.approx(0.75)
+    stats.update(spec_proposed_by_position=[12, 6], spec_accepted_by_position=[8, 2])
+    assert tl.sample().spec_acceptance == pytest.approx(1 / 6)  # the share since the last sample, not cumulative
 
 
 def test_request_timing_and_buckets():

@@ -33,6 +33,7 @@ class Sample:
     tpot_p50: Optional[float] = None
     tpot_p90: Optional[float] = None
     tpot_p99: Optional[float] = None
+    spec_acceptance: Optional[float] = None  # accepted / proposed speculative tokens since the last sample
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
@@ -56,6 +57,7 @@ class Timeline:
         self.samples: deque[Sample] = deque(maxlen=max(1, int(history_s / interval_s)))
         self._finished: deque[tuple[float, Optional[float], Optional[float], int]] = deque()  # t, ttft, tpot, tokens
         self._last_steps: Optional[int] = None
+        self._last_spec = (0, 0)  # cumulative (proposed, accepted) speculative tokens at the last sample
         self._task: Optional[asyncio.Task] = None
         self._started = time.time()
 
@@ -94,10 +96,18 @@ class Timeline:
         for q in PERCENTILES:
             setattr(s, f"ttft_p{q}", percentile(ttfts, q))
             setattr(s, f"tpot_p{q}", percentile(tpots, q))
+        s.spec_acceptance = self._spec_acceptance(st)
         if not stepped:
             s.batch_seqs = s.batch_tokens = 0  # the last step's figures are stale when the engine is idle
         self.samples.append(s)
         return s
+
+    def _spec_acceptance(self, st: dict[str, Any]) -> Optional[float]:
+        """The share of speculative proposals accepted since the last sample; None when none were verified."""
+        spec = (sum(st.get("spec_proposed_by_position") or ()), sum(st.get("spec_accepted_by_position") or ()))
+        proposed, accepted = spec[0] - self._last_spec[0], spec[1] - self._last_spec[1]
+        self._last_spec = spec
+        return accepted / proposed if proposed > 0 else None
 
     def columns(self) -> dict[str, Any]:
         """The ring as columns (one list per Sample field), the shape the dashboard's charts take."""

@@ -22,6 +22,8 @@ const PANELS = [
     {key: "tpot_p50", label: "p50", stroke: "#1f77b4", scale: 1000},
     {key: "tpot_p90", label: "p90", stroke: "#ff7f0e", scale: 1000},
     {key: "tpot_p99", label: "p99", stroke: "#d62728", scale: 1000}]},
+  {id: "spec", title: "Speculative proposals accepted (%), per sample", series: [
+    {key: "spec_acceptance", label: "accepted %", stroke: "#e377c2", scale: 100}]},
 ];
 
 const charts = {};  // panel id -> uPlot instance (read by the browser test)
