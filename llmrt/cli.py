@@ -1,4 +1,4 @@
-"""The `llmrt` command: generate, serve, bench (throughput, serve, mixed, prefix, context), plan."""
+"""The `llmrt` command: generate, serve, bench (throughput, serve, structured, spec, mixed, prefix, context), plan."""
 from __future__ import annotations
 
 import argparse
@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     structured.add_arguments(st)
     st.set_defaults(func=lambda a: (structured.run(a), 0)[1])
+    from llmrt.bench import spec as bench_spec
+
+    sp = bench_sub.add_parser("spec", help="speculative decoding: copy-heavy speedup, verification ceiling, "
+                                           "compute-bound batches", description=bench_spec.__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_spec.add_arguments(sp)
+    sp.set_defaults(func=lambda a: (bench_spec.run(a), 0)[1])
     from llmrt.bench import workloads
 
     workloads.add_subcommands(bench_sub)
