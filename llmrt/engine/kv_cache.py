@@ -107,8 +107,10 @@ class BlockManager:
         return [self._take() for _ in range(n)]
 
     def fork(self, parent: BlockHolder, child: BlockHolder) -> None:
-        """Let `child` share every block of `parent`."""
-        child.block_ids = list(parent.block_ids)
+        """Let `child` share the blocks of `parent` that hold its computed tokens."""
+        # Not blocks allocated ahead (a draft model's lookahead slots): copy-on-write covers only the block a
+        # span starts in, so a shared block further on would take both samples' writes.
+        child.block_ids = parent.block_ids[:self.blocks_for(parent.num_computed_tokens)]
         for b in child.block_ids:
             self.ref_counts[b] += 1
         if hasattr(parent, "block_hashes") and hasattr(child, "block_hashes"):
