@@ -154,7 +154,9 @@ class Scheduler:
             budget -= n
         used = self.config.max_num_batched_tokens - budget
         swap_out, self._swap_out = self._swap_out, []
-        return SchedulerOutput(scheduled, copies, used, preempted + len(just_preempted), swap_out, swap_in)
+        propose = self.spec is not None and self.spec.worth_proposing(len(self.running),
+                                                                      self.config.max_num_batched_tokens)
+        return SchedulerOutput(scheduled, copies, used, preempted + len(just_preempted), swap_out, swap_in, propose)
 
     @staticmethod
     def _running_only(prefills: list[Sequence]) -> list[Sequence]:
@@ -242,7 +244,6 @@ class Scheduler:
             self._finish(target, reason, stop)
         return output
 
-    # -- speculative decoding --------------------------------------------------------------------------
     # -- helpers ---------------------------------------------------------------------------------------
     def _make_room(self, seq: Sequence, n: int, done: set[int]) -> tuple[bool, int]:
         """Preempt the policy's victims (never one already scheduled this step) until `seq`'s next `n` tokens

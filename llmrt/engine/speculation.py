@@ -35,6 +35,11 @@ class SpeculationPlanner:
                 return 0
         return (limit - tokens) // len(decodes)
 
+    def worth_proposing(self, num_running: int, budget: int) -> bool:
+        """Whether the next step may verify proposals: not when the running sequences' decodes alone reach
+        the bound (then proposing would be work thrown away, every step, for every sequence)."""
+        return num_running < min(self.config.speculative_max_batch_tokens, budget)
+
     def drafts(self, seq: Sequence, room: int, step: int) -> list[int]:
         """The proposals `seq` verifies at `step`: those made in the previous step, as many as its acceptance
         rate makes worth it (the j-th proposal pays while acceptance^j >= 1/4; always at least one, so the

@@ -29,6 +29,7 @@ class SchedulerOutput:
     # Block moves the workers do before the step, in this order: swap-outs, copies, swap-ins.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    propose: bool = False  # make speculative proposals for the next step (it may verify them)
 
     @property
     def is_empty(self) -> bool:

@@ -2,9 +2,6 @@
 own last n tokens, n from ngram_max down to ngram_min. No model, no state."""
 from __future__ import annotations
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
-
 from llmrt.config import SpeculativeConfig
 from llmrt.spec_decode.base import ProposalInput, Proposer
 
@@ -22,13 +19,28 @@ class NgramProposer(Proposer):
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the most recent earlier match of the longest suffix that has one."""
-        arr = np.asarray(tokens, dtype=np.int64)
-        total = len(arr)
-        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
-            # Windows starting at 0 .. total-n-1: every earlier occurrence, the suffix itself excluded.
-            windows = sliding_window_view(arr[:-1], n)
-            hits = np.flatnonzero((windows == arr[total - n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return arr[start:start + k].tolist()
-        return []
+        total = len(tokens)
+        last = tokens[-1]
+        # Every match ends at an earlier occurrence of the last token: find those with list.index (C speed;
+        # usually few), then see how far back each keeps matching. This runs for every sequence every step,
+        # so it avoids per-call array conversions, which cost more than the search itself.
+        ends, i = [], -1
+        try:
+            while True:
+                i = tokens.index(last, i + 1, total - 1)
+                ends.append(i)
+        except ValueError:
+            pass
+        cap = min(self.max_n, total - 1)
+        best, best_end = 0, -1
+        for end in reversed(ends):  # latest first: a later match wins a tie
+            n = 1
+            while n < cap and n <= end and tokens[end - n] == tokens[total - 1 - n]:
+                n += 1
+            if n > best:
+                best, best_end = n, end
+                if n == cap:
+                    break
+        if best < self.min_n:
+            return []
+        return list(tokens[best_end + 1:best_end + 1 + k])

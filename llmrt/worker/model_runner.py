@@ -118,7 +118,7 @@ class ModelRunner:
             [tokens[id(i)] for i in items],
             [logprobs.get(id(i), [{} for _ in tokens[id(i)]]) for i in items] if want_logprobs else None,
             prompt_logprobs=prompt_logprobs, spec=spec_stats)
-        if self.proposer is not None and items:
+        if self.proposer is not None and items and out.propose:
             start = time.perf_counter()
             result_out.draft_token_ids = self._propose(items, tokens)
             if result_out.spec is None:
