@@ -19,7 +19,9 @@ def _complete(base: str, **extra) -> dict:
 
 
 def _metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    """The sum of the samples whose line starts with `name` (a metric name, or a name and some labels)."""
+    prefix = name if "{" in name else name + "{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
 def test_served_speculation_reports_and_opts_out():
@@ -32,5 +34,13 @@ def test_served_speculation_reports_and_opts_out():
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
         assert _metric(metrics, "llmrt_spec_decode_proposed_tokens_total") == on["llmrt"]["spec_proposed"]
         assert _metric(metrics, "llmrt_spec_decode_accepted_tokens_total") == on["llmrt"]["spec_accepted"]
+        # Per position: never more accepted than proposed, and later positions accept no more than earlier ones.
+        by_pos = [_metric(metrics, f'llmrt_spec_decode_accepted_tokens_total{{model="stories260K",method="ngram",'
+                                   f'position="{j}"') for j in range(1, 5)]
+        assert by_pos[0] > 0 and by_pos == sorted(by_pos, reverse=True)
+        spans = _metric(metrics, "llmrt_spec_decode_verify_steps_total")
+        assert _metric(metrics, "llmrt_spec_decode_accepted_length_count") == spans > 0
+        assert _metric(metrics, "llmrt_spec_decode_accepted_length_sum") == on["llmrt"]["spec_accepted"]
+        assert _metric(metrics, "llmrt_spec_decode_propose_seconds_total") > 0
         r = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": "stories260K", "prompt": "a", "speculative": 3})
         assert r.status_code == 400 and r.json()["error"]["param"] == "speculative"

@@ -6,7 +6,7 @@ import os
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from llmrt.metrics.resources import ResourceMonitor
@@ -169,10 +169,20 @@ class _EngineCollector(Collector):
             for j, v in enumerate(values):
                 c.add_metric([self.model, method, str(j + 1)], float(v))
             yield c
+        spans = int(st.get("spec_verify_steps") or 0)
         c = CounterMetricFamily("llmrt_spec_decode_verify_steps", "Spans that verified proposals (one per "
                                 "sequence and step)", labels=["model", "method"])
-        c.add_metric([self.model, method], float(st.get("spec_verify_steps") or 0))
+        c.add_metric([self.model, method], float(spans))
         yield c
+        # Acceptance is a prefix, so the spans that accepted at most a proposals are all spans but those that
+        # accepted position a + 1: the per-position counters give the whole distribution.
+        h = HistogramMetricFamily("llmrt_spec_decode_accepted_length", "Proposals accepted per span that verified "
+                                  "some (_sum / _count: the mean accepted length per verify step)",
+                                  labels=["model", "method"])
+        buckets = [(str(a), float(spans - n)) for a, n in enumerate(accepted)]
+        h.add_metric([self.model, method], buckets + [(str(len(accepted)), float(spans)), ("+Inf", float(spans))],
+                     float(sum(accepted)))
+        yield h
         c = CounterMetricFamily("llmrt_spec_decode_propose_seconds", "Time spent making proposals",
                                 labels=["model", "method"])
         c.add_metric([self.model, method], float(st.get("spec_propose_seconds") or 0.0))
