@@ -104,18 +104,26 @@ def test_stops_inside_an_accepted_run(checkpoints):
         assert outs[2].text == r.text[:r.text.index(r.text[20:26])] and outs[2].finish_reason == "stop"
 
 
-def test_structured_output_with_speculation(tmp_path_factory):
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_structured_output_with_speculation(method, tmp_path_factory):
+    """100 distinct samples under a JSON schema, with proposals the grammar often refuses (the matcher is
+    advanced through them and rolled back every step): every one validates."""
     path = build_checkpoint("llama3", tmp_path_factory.mktemp("spec-structured") / "llama3", max_position_embeddings=512)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["name", "n"], "additionalProperties": False}
-    llm = LLM(str(path), dtype="float32", max_num_seqs=100,
-              speculative={"method": "draft", "model": str(path), "num_tokens": 4, **ALWAYS})
-    outs = llm.generate(["{"] * 100, SamplingParams(max_tokens=128, temperature=1.0, seed=3,
-                                                    structured=StructuredOutputs(json=schema)))
-    for o in outs:
-        jsonschema.validate(json.loads(o.outputs[0].text), schema)
-    assert sum(llm.engine.stats().spec_accepted_by_position) > 0
+    spec = {"method": "draft", "model": str(path), "num_tokens": 4} if method == "draft" else \
+        {"method": "ngram", "num_tokens": 4, "ngram_min": 1}
+    llm = LLM(str(path), dtype="float32", max_num_seqs=100, speculative={**spec, **ALWAYS})
+    outs = llm.generate(["{"] * 100, [SamplingParams(max_tokens=128, temperature=1.0, seed=s,
+                                                     structured=StructuredOutputs(json=schema)) for s in range(100)])
+    texts = [o.outputs[0].text for o in outs]
+    assert len(set(texts)) > 50 and all(o.outputs[0].finish_reason == "stop" for o in outs)
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    st = llm.engine.stats()
+    proposed, accepted = sum(st.spec_proposed_by_position), sum(st.spec_accepted_by_position)
+    assert 0 < accepted < proposed
 
 
 def test_opt_out_and_bad_configurations(checkpoints):
