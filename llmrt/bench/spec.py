@@ -23,6 +23,7 @@ from llmrt.bench.report import load_average, machine_info, now_iso, write_result
 from llmrt.bench.throughput import log, make_prompts, vocab_pool
 from llmrt.table import format_table
 
+KV_BYTES = 512 << 20  # per engine of parts 2 and 3 (the 110m model: ~7k tokens; part 3 gets twice that)
 SEEDS = ["Once upon a time", "Lily and Ben went to the park.", "One day, a little dog found a ball.",
          "Tom had a big red car."]
 
@@ -33,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128, help="tokens per single-stream request (default 128)")
     p.add_argument("--ngram-k", type=int, default=4, help="n-gram proposals per step in part 1 (default 4)")
     p.add_argument("--draft-ks", default="1,2,4,8", help="k values of part 2 (default 1,2,4,8)")
+    p.add_argument("--ceiling-output-len", type=int, default=None,
+                   help="tokens per request in part 2 (default: --output-len)")
     p.add_argument("--concurrency", type=int, default=32, help="requests at once in part 3 (default 32)")
     p.add_argument("--batch-output-len", type=int, default=64, help="tokens per request in part 3 (default 64)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; best counts (default 3)")
@@ -115,18 +118,20 @@ def ceiling(args: argparse.Namespace, model: str) -> dict[str, Any]:
     """Part 2: the 110m model drafting for itself at each k (acceptance 1), one stream."""
     from llmrt import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    output_len = args.ceiling_output_len or args.output_len
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     prompts = make_prompts(vocab_pool(model), 2, 64, 64, seed=0)
-    configs = {"none": LLM(model, dtype=args.dtype)}
+    kv = dict(kv_cache_memory=KV_BYTES)  # five engines at once: each gets a small cache, not the 2 GiB default
+    configs = {"none": LLM(model, dtype=args.dtype, **kv)}
     for k in (int(x) for x in args.draft_ks.split(",")):
-        configs[f"draft=self k={k}"] = LLM(model, dtype=args.dtype,
+        configs[f"draft=self k={k}"] = LLM(model, dtype=args.dtype, **kv,
                                           speculative={"method": "draft", "model": model, "num_tokens": k})
     best = _alternate(configs, lambda llm: _single_streams(llm, prompts, params), args.rounds,
                       lambda a, b: a["tpot_s"] < b["tpot_s"])
     base = best["none"]
     rows = [{"config": name, "tpot_ms": res["tpot_s"] * 1e3, "vs_none": res["tpot_s"] / base["tpot_s"],
              **_acceptance(res), "same_tokens": res["token_ids"] == base["token_ids"]} for name, res in best.items()]
-    return {"model": f"random {args.random_model}", "prompts": len(prompts), "output_len": args.output_len,
+    return {"model": f"random {args.random_model}", "prompts": len(prompts), "output_len": output_len,
             "rows": rows}
 
 
@@ -137,8 +142,8 @@ def compute_bound(args: argparse.Namespace, model: str) -> dict[str, Any]:
     params = SamplingParams(max_tokens=args.batch_output_len, temperature=0, ignore_eos=True)
     prompts = make_prompts(vocab_pool(model), args.concurrency, 64, 64, seed=1)
     n = max(args.concurrency, 1)
-    configs = {"none": LLM(model, dtype=args.dtype, max_num_seqs=n),
-               f"ngram k={args.ngram_k}": LLM(model, dtype=args.dtype, max_num_seqs=n,
+    configs = {"none": LLM(model, dtype=args.dtype, max_num_seqs=n, kv_cache_memory=2 * KV_BYTES),
+               f"ngram k={args.ngram_k}": LLM(model, dtype=args.dtype, max_num_seqs=n, kv_cache_memory=2 * KV_BYTES,
                                               speculative={"method": "ngram", "num_tokens": args.ngram_k})}
     best = _alternate(configs, lambda llm: _run(llm, prompts, params), args.rounds,
                       lambda a, b: a["tok_s"] > b["tok_s"])
