@@ -19,9 +19,7 @@ def _complete(base: str, **extra) -> dict:
 
 
 def _metric(text: str, name: str) -> float:
-    """The sum of the samples whose line starts with `name` (a metric name, or a name and some labels)."""
-    prefix = name if "{" in name else name + "{"
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def test_served_speculation_reports_and_opts_out():
@@ -35,8 +33,9 @@ def test_served_speculation_reports_and_opts_out():
         assert _metric(metrics, "llmrt_spec_decode_proposed_tokens_total") == on["llmrt"]["spec_proposed"]
         assert _metric(metrics, "llmrt_spec_decode_accepted_tokens_total") == on["llmrt"]["spec_accepted"]
         # Per position: never more accepted than proposed, and later positions accept no more than earlier ones.
-        by_pos = [_metric(metrics, f'llmrt_spec_decode_accepted_tokens_total{{model="stories260K",method="ngram",'
-                                   f'position="{j}"') for j in range(1, 5)]
+        by_pos = [sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                      if line.startswith("llmrt_spec_decode_accepted_tokens_total{") and f'position="{j}"' in line
+                      and 'method="ngram"' in line) for j in range(1, 5)]
         assert by_pos[0] > 0 and by_pos == sorted(by_pos, reverse=True)
         spans = _metric(metrics, "llmrt_spec_decode_verify_steps_total")
         assert _metric(metrics, "llmrt_spec_decode_accepted_length_count") == spans > 0
