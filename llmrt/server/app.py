@@ -10,11 +10,14 @@ from fastapi.responses import JSONResponse
 import llmrt
 from llmrt.errors import InvalidRequestError
 from llmrt.server import protocol as P
-from llmrt.server import serving
+from llmrt.server.chat import create_chat_completion
+from llmrt.server.completions import create_completion
+from llmrt.server.engine_client import EngineClient
 from llmrt.server.errors import install_exception_handlers
 from llmrt.server.middleware import MAX_BODY_BYTES, ServerMiddleware
 from llmrt.server.observability import install_observability
-from llmrt.server.serving import ServerState
+from llmrt.server.requests import chat_messages
+from llmrt.server.state import ServerState
 from llmrt.structured.tool_parsers import select_tool_parser
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -34,15 +37,15 @@ def _streamed(chunk: type) -> dict[int | str, dict[str, Any]]:
             **_ERRORS}
 
 
-def build_app(engine: Any, args: Any = None) -> FastAPI:
-    """The server's app around a started engine (AsyncLLM). `args`: the serve flags (any may be missing)."""
+def build_app(engine: EngineClient, args: Any = None) -> FastAPI:
+    """The server's app around a started engine (AsyncLLM, or anything that is an EngineClient). `args`: the serve flags (any may be missing)."""
     served = getattr(args, "served_model_name", None) or engine.model_name
     aliases = {engine.model_name, str(getattr(args, "model", None) or engine.model_name)} - {served}
     state = ServerState(engine=engine, model_name=served, aliases=frozenset(aliases),
                         debug=bool(getattr(args, "enable_debug_endpoints", False)),
                         default_timeout=getattr(args, "request_timeout", None),
                         tool_parser=select_tool_parser(getattr(args, "tool_call_parser", None),
-                                                       getattr(getattr(engine, "tokenizer", None), "chat_template", None)))
+                                                       engine.tokenizer.chat_template))
     app = FastAPI(title="llmrt", version=llmrt.__version__,
                   description="OpenAI-compatible API of llmrt. Every error body is "
                               "`{\"error\": {message, type, param, code}, \"retryable\": bool}`.")
@@ -56,12 +59,12 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=_streamed(P.CompletionStreamResponse),
               summary="Text completion (OpenAI legacy completions)")
     async def completions(req: P.CompletionRequest, request: Request) -> Any:
-        return await serving.create_completion(state, req, request)
+        return await create_completion(state, req, request)
 
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse,
               responses=_streamed(P.ChatCompletionStreamResponse), summary="Chat completion")
     async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Any:
-        return await serving.create_chat_completion(state, req, request)
+        return await create_chat_completion(state, req, request)
 
     @app.get("/v1/models", response_model=P.ModelList, summary="The served model")
     async def models() -> P.ModelList:
@@ -81,7 +84,7 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
             assert req.messages is not None
             if not req.messages:
                 raise InvalidRequestError("messages: must not be empty", param="messages")
-            tokens = engine.tokenizer.apply_chat_template(serving.chat_messages(req.messages),
+            tokens = engine.tokenizer.apply_chat_template(chat_messages(req.messages),
                                                           req.add_generation_prompt is not False)
         return P.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
 
