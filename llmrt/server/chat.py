@@ -7,6 +7,7 @@ from fastapi import Request
 
 from llmrt.errors import InvalidRequestError
 from llmrt.metrics.timing import request_timing
+from llmrt.sampling_params import SamplingParams
 from llmrt.server import protocol as P
 from llmrt.server.generation import Generation
 from llmrt.server.logprobs import TokenTexts, chat_logprobs
@@ -14,6 +15,8 @@ from llmrt.server.requests import chat_messages, sampling_params
 from llmrt.server.state import ServerState
 from llmrt.server.streaming import (Delta, DeltaTracker, ResponseHead, StreamFormatter, respond, start_response,
                                     stop_reason)
+from llmrt.server.validation import check_request_tokens, reject_lone_surrogates
+from llmrt.structured.backend import validate_structured
 from llmrt.structured.tools import ToolCallStream, ToolPlan, plan_tools, tool_calls_json
 
 
@@ -64,6 +67,18 @@ def _tool_finish_reason(finish_reason: str, has_calls: bool) -> str:
     return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
 
 
+def render_prompt(state: ServerState, req: P.ChatCompletionRequest, tools: ToolPlan,
+                  params: SamplingParams) -> list[int]:
+    """The token ids of the rendered conversation; the output constraint checked. CPU work: runs on the
+    offload pool."""
+    ids = state.tokenizer.apply_chat_template(chat_messages(req.messages), req.add_generation_prompt is not False,
+                                              req.tools if tools.render_tools else None)
+    check_request_tokens(len(ids), state.max_request_tokens, "messages")
+    if params.structured is not None:
+        validate_structured(params.structured)
+    return ids
+
+
 def chat_response(gen: Generation, head: ResponseHead, texts: TokenTexts, top_logprobs: Optional[int],
                   tools: ToolPlan) -> P.ChatCompletionResponse:
     """The whole (non-streamed) response of a finished Generation."""
@@ -90,6 +105,7 @@ def chat_response(gen: Generation, head: ResponseHead, texts: TokenTexts, top_lo
 
 async def create_chat_completion(state: ServerState, req: P.ChatCompletionRequest, request: Request) -> Any:
     """Answer one chat completions request (JSON, or SSE with `stream`)."""
+    reject_lone_surrogates(req)
     state.check_model(req.model)
     tools = plan_tools(req.tools, req.tool_choice, state.tool_parser)
     top_logprobs: Optional[int] = None
@@ -116,8 +132,7 @@ async def create_chat_completion(state: ServerState, req: P.ChatCompletionReques
         params.structured = tool_constraint
         params.validate()
     tokenizer = state.tokenizer
-    prompt_ids = tokenizer.apply_chat_template(chat_messages(req.messages), req.add_generation_prompt is not False,
-                                               req.tools if tools.render_tools else None)
+    prompt_ids = await state.offload.run(render_prompt, state, req, tools, params)
     head = start_response(state, request, "chatcmpl", req)
     texts = TokenTexts(tokenizer)
     gen = Generation(state.engine, [prompt_ids], params, head.id, priority=req.priority or 0, user=req.user,

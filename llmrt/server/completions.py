@@ -7,13 +7,16 @@ from fastapi import Request
 
 from llmrt.errors import UnsupportedError
 from llmrt.metrics.timing import request_timing
+from llmrt.sampling_params import SamplingParams
 from llmrt.server import protocol as P
 from llmrt.server.generation import Generation
 from llmrt.server.logprobs import TokenTexts, completion_logprobs
-from llmrt.server.requests import completion_prompts, sampling_params
+from llmrt.server.requests import Prompt, completion_prompts, sampling_params
 from llmrt.server.state import ServerState
 from llmrt.server.streaming import (Delta, DeltaTracker, ResponseHead, StreamFormatter, respond, start_response,
                                     stop_reason)
+from llmrt.server.validation import check_request_tokens, check_token_ids, reject_lone_surrogates
+from llmrt.structured.backend import validate_structured
 
 
 class CompletionStream(StreamFormatter):
@@ -55,6 +58,31 @@ class CompletionStream(StreamFormatter):
         return [self.chunk([choice])]
 
 
+def prepare_prompts(state: ServerState, prompts: list[Prompt], echo: bool,
+                    params: SamplingParams) -> tuple[list[list[int]], list[Optional[str]]]:
+    """(token ids, echoed text or None) of each prompt, token ids checked first; the output constraint
+    checked. CPU work: runs on the offload pool."""
+    engine, tokenizer = state.engine, state.tokenizer
+    wheres = ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))]
+    checked = {i: check_token_ids(p, engine.vocab_size, engine.max_model_len, wheres[i], "prompt")
+               for i, p in enumerate(prompts) if not isinstance(p, str)}
+    limit, total = state.max_request_tokens, sum(len(ids) for ids in checked.values())
+    check_request_tokens(total, limit, "prompt")
+    prompt_ids, texts = [], []
+    for i, p in enumerate(prompts):
+        ids = checked.get(i)
+        if ids is None:
+            assert isinstance(p, str)
+            ids = tokenizer.encode(p)
+            total += len(ids)
+            check_request_tokens(total, limit, "prompt")
+        prompt_ids.append(ids)
+        texts.append(None if not echo else p if isinstance(p, str) else tokenizer.decode(ids))
+    if params.structured is not None:
+        validate_structured(params.structured)
+    return prompt_ids, texts
+
+
 def completion_response(gen: Generation, head: ResponseHead, texts: TokenTexts, logprobs: Optional[int],
                         echo: list[Optional[str]]) -> P.CompletionResponse:
     """The whole (non-streamed) response of a finished Generation."""
@@ -84,6 +112,7 @@ def completion_response(gen: Generation, head: ResponseHead, texts: TokenTexts, 
 
 async def create_completion(state: ServerState, req: P.CompletionRequest, request: Request) -> Any:
     """Answer one completions request (JSON, or SSE with `stream`)."""
+    reject_lone_surrogates(req)
     state.check_model(req.model)
     if req.suffix:
         raise UnsupportedError("suffix: insertion (suffix) is not supported by this server", param="suffix")
@@ -96,12 +125,9 @@ async def create_completion(state: ServerState, req: P.CompletionRequest, reques
         params.prompt_logprobs = req.logprobs  # echoed prompt tokens carry their logprobs (scoring, lm-eval)
     head = start_response(state, request, "cmpl", req)
     tokenizer = state.tokenizer
-    echo: list[Optional[str]] = [None] * len(prompts)
-    if req.echo:
-        echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
-    prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    prompt_ids, echo = await state.offload.run(prepare_prompts, state, prompts, bool(req.echo), params)
     texts = TokenTexts(tokenizer)
-    gen = Generation(state.engine, list(prompt_ids), params, head.id, priority=req.priority or 0, user=req.user,
+    gen = Generation(state.engine, prompt_ids, params, head.id, priority=req.priority or 0, user=req.user,
                      timeout=req.timeout, default_timeout=state.default_timeout)
     stream = None
     if req.stream:

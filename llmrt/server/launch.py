@@ -42,6 +42,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=default_of(d, "request_timeout"),
                    help="seconds a request may take unless it sets its own `timeout`; past it: 408 "
                         "deadline_exceeded (default: none)")
+    g.add_argument("--max-request-tokens", type=int, default=default_of(d, "max_request_tokens"),
+                   help="refuse (400) a request whose prompts hold more tokens than this, all prompts together; "
+                        "the body is also capped at 10 MiB (default: %(default)s)")
+    g.add_argument("--tokenizer-threads", type=int, default=default_of(d, "tokenizer_threads"),
+                   help="threads that tokenize prompts, render chat templates and check grammars, off the event "
+                        "loop, so /health, /metrics and streams never wait for them (default: %(default)s)")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="how to read tool calls in a model's own output for tool_choice auto (default: the format "
                         "the chat template shows, if any; without one, auto is refused and required/named work)")

@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from fastapi import Request
 
+from llmrt.config import ServerConfig
 from llmrt.errors import ModelNotFoundError
 from llmrt.outputs import RequestOutput
 from llmrt.server.engine_client import EngineClient
+from llmrt.server.offload import Offloader
 from llmrt.structured.tool_parsers import ToolParser
 from llmrt.tokenizer import Tokenizer
 
@@ -30,6 +32,9 @@ class ServerState:
     # Called with the final engine outputs of every API request (metrics, dashboard).
     observers: list[Callable[[list[Optional[RequestOutput]]], None]] = field(default_factory=list)
     tool_parser: Optional[ToolParser] = None  # --tool-call-parser, or the chat template's format
+    max_request_tokens: int = ServerConfig.max_request_tokens  # --max-request-tokens
+    # Tokenizing, chat templates and grammar checks run here, off the event loop (--tokenizer-threads).
+    offload: Offloader = field(default_factory=lambda: Offloader(ServerConfig.tokenizer_threads))
 
     @property
     def tokenizer(self) -> Tokenizer:

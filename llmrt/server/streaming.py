@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from llmrt.errors import LLMRTError
+from llmrt.errors import InternalError, LLMRTError
 from llmrt.metrics.timing import request_timing
 from llmrt.outputs import CompletionOutput, RequestOutput
 from llmrt.sampling_params import SamplingParams
@@ -190,10 +190,11 @@ async def stream_response(request: Request, gen: Generation, fmt: StreamFormatte
         except LLMRTError as e:
             record["error"] = e.code
             yield sse_error_event(e)
-        except Exception as e:  # noqa: BLE001 - a bug; the stream still ends properly
-            logger.exception("error while streaming %s", fmt.response.id)
+        except Exception:  # noqa: BLE001 - a bug; the stream still ends properly, the log has the detail
+            request_id = record.get("request_id")
+            logger.exception("error while streaming %s (request id %s)", fmt.response.id, request_id)
             record["error"] = "internal_error"
-            yield sse_error_event(LLMRTError(f"internal server error: {type(e).__name__}: {e}"))
+            yield sse_error_event(InternalError(request_id))
         except BaseException:
             record["error"] = "cancelled"  # the client went away; close() below aborts the engine requests
             raise
