@@ -268,4 +268,6 @@ class ServerConfig:
     request_timeout: Optional[float] = None  # seconds a request may take unless it sets its own timeout
     max_body_bytes: int = 10 * 1024 * 1024  # larger bodies are refused (400) before they are parsed
     max_request_tokens: int = 262144  # prompt tokens one request may carry, all its prompts together
-    tokenizer_threads: int = 4  # the bounded pool that tokenizes, renders chat templates and checks grammars
+    # The bounded pool that tokenizes, renders chat templates and checks grammars: up to 4 threads, leaving a
+    # core to the event loop (on 2 cores, 1 thread: more would take the loop's CPU while bodies are tokenized).
+    tokenizer_threads: int = max(1, min(4, (os.cpu_count() or 2) - 1))

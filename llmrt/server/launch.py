@@ -47,7 +47,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "the body is also capped at 10 MiB (default: %(default)s)")
     g.add_argument("--tokenizer-threads", type=int, default=default_of(d, "tokenizer_threads"),
                    help="threads that tokenize prompts, render chat templates and check grammars, off the event "
-                        "loop, so /health, /metrics and streams never wait for them (default: %(default)s)")
+                        "loop, so /health, /metrics and streams never wait for them (default: CPU cores - 1, at most 4; here "
+                        "%(default)s)")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="how to read tool calls in a model's own output for tool_choice auto (default: the format "
                         "the chat template shows, if any; without one, auto is refused and required/named work)")
