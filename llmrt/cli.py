@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_spec.add_arguments(sp)
     sp.set_defaults(func=lambda a: (bench_spec.run(a), 0)[1])
+    from llmrt.bench import health as bench_health
+
+    hl = bench_sub.add_parser("health", help="/health and /metrics latency while large bodies are tokenized",
+                              description=bench_health.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_health.add_arguments(hl)
+    hl.set_defaults(func=lambda a: (bench_health.run(a), 0)[1])
     from llmrt.bench import workloads
 
     workloads.add_subcommands(bench_sub)

@@ -256,3 +256,18 @@ class EngineConfig:
         return cls(model=model_cfg, cache=CacheConfig(**parts["cache"]), scheduler=SchedulerConfig(**parts["scheduler"]),
                    parallel=ParallelConfig(**parts["parallel"]), speculative=SpeculativeConfig(**parts["speculative"]),
                    device=device, attention_backend=attention_backend)
+
+
+@dataclass
+class ServerConfig:
+    """The knobs of `llmrt serve` beyond the engine's: its flags read their defaults here."""
+
+    max_waiting_requests: Optional[int] = None  # 429 while this many wait (None: unbounded)
+    max_queue_delay_ms: Optional[float] = None  # 429 when the queue would delay a request longer (None: no limit)
+    health_step_timeout: float = 30.0  # /health is 503 when no step completes this long while requests pend
+    request_timeout: Optional[float] = None  # seconds a request may take unless it sets its own timeout
+    max_body_bytes: int = 10 * 1024 * 1024  # larger bodies are refused (400) before they are parsed
+    max_request_tokens: int = 262144  # prompt tokens one request may carry, all its prompts together
+    # The bounded pool that tokenizes, renders chat templates and checks grammars: up to 4 threads, leaving a
+    # core to the event loop (on 2 cores, 1 thread: more would take the loop's CPU while bodies are tokenized).
+    tokenizer_threads: int = max(1, min(4, (os.cpu_count() or 2) - 1))

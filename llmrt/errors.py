@@ -19,11 +19,22 @@ class LLMRTError(Exception):
         self.retry_after = retry_after
 
     def to_dict(self) -> dict[str, Any]:
-        """OpenAI's error body plus `retryable`."""
+        """OpenAI's error body plus `retryable`, inside `error` (what the openai SDK shows as `e.body`) and
+        at the top level (where this server's clients read it before)."""
         return {
-            "error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code},
+            "error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code,
+                      "retryable": self.retryable},
             "retryable": self.retryable,
         }
+
+
+class InternalError(LLMRTError):
+    """A bug: the caller sees only this generic message and the request id; the log has the details."""
+
+    def __init__(self, request_id: Optional[str]):
+        where = f"request id {request_id}" if request_id else "no request id"
+        super().__init__(f"internal server error ({where}); the server log holds the details under that id")
+        self.request_id = request_id
 
 
 class InvalidRequestError(LLMRTError):

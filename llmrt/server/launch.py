@@ -12,6 +12,9 @@ import sys
 import threading
 from typing import Any, Iterator
 
+from llmrt.config import ServerConfig
+from llmrt.engine_args import default_of
+
 logger = logging.getLogger("llmrt.server")
 
 
@@ -27,17 +30,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="a tokenizer directory other than the model's")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) instead of the model's")
-    g.add_argument("--max-waiting-requests", type=int, default=None,
+    d = ServerConfig
+    g.add_argument("--max-waiting-requests", type=int, default=default_of(d, "max_waiting_requests"),
                    help="refuse new requests with 429 + Retry-After while this many wait (default: unbounded)")
-    g.add_argument("--max-queue-delay-ms", type=float, default=None,
+    g.add_argument("--max-queue-delay-ms", type=float, default=default_of(d, "max_queue_delay_ms"),
                    help="refuse new requests with 429 + Retry-After when the queue would delay them longer than "
                         "this, judged from the engine's recent drain rate (default: no limit)")
-    g.add_argument("--health-step-timeout", type=float, default=30.0,
+    g.add_argument("--health-step-timeout", type=float, default=default_of(d, "health_step_timeout"),
                    help="/health turns 503 when no engine step completes for this many seconds while requests "
-                        "are pending (default: 30)")
-    g.add_argument("--request-timeout", type=float, default=None,
+                        "are pending (default: %(default)s)")
+    g.add_argument("--request-timeout", type=float, default=default_of(d, "request_timeout"),
                    help="seconds a request may take unless it sets its own `timeout`; past it: 408 "
                         "deadline_exceeded (default: none)")
+    g.add_argument("--max-request-tokens", type=int, default=default_of(d, "max_request_tokens"),
+                   help="refuse (400) a request whose prompts hold more tokens than this, all prompts together; "
+                        "the body is also capped at 10 MiB (default: %(default)s)")
+    g.add_argument("--tokenizer-threads", type=int, default=default_of(d, "tokenizer_threads"),
+                   help="threads that tokenize prompts, render chat templates and check grammars, off the event "
+                        "loop, so /health, /metrics and streams never wait for them (default: CPU cores - 1, at most 4; here "
+                        "%(default)s)")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="how to read tool calls in a model's own output for tool_choice auto (default: the format "
                         "the chat template shows, if any; without one, auto is refused and required/named work)")

@@ -23,8 +23,10 @@ class _Response(BaseModel):
 class ErrorInfo(_Response):
     message: str
     type: str
-    param: Optional[str] = None
+    param: Optional[str] = Field(None, description="the request field at fault, e.g. `messages[0].content`")
     code: str
+    retryable: bool = Field(..., description="whether the same request can succeed later (or elsewhere); the "
+                                             "same value as the body's top-level `retryable`")
 
 
 class ErrorResponse(_Response):
