@@ -1,4 +1,4 @@
-"""The `llmrt` command: generate, serve, bench (throughput, serve, structured, spec, mixed, prefix, context), plan."""
+"""The `llmrt` command: generate, serve, route, bench (throughput, serve, structured, spec, mixed, prefix, context), plan."""
 from __future__ import annotations
 
 import argparse
@@ -65,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     add_engine_arguments(serve)
     serve.set_defaults(func=run_server)
+
+    route = sub.add_parser("route", help="route the OpenAI API over many llmrt instances (policies, versions, "
+                                         "canaries, health checks, safe retries)",
+                           description="A router in front of llmrt serve instances: give them with --backend, or "
+                                       "start them with --launch N. Same OpenAI API; x-llmrt-instance and "
+                                       "x-llmrt-model-version name who served each call. See docs/router.md.")
+    from llmrt.router.launch import add_route_arguments, run_route
+
+    add_route_arguments(route)
+    route.set_defaults(func=run_route)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
