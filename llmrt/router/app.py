@@ -1,5 +1,5 @@
-"""The router's ASGI app: the OpenAI API relayed to instances, plus its own /health, /metrics, /v1/models
-(the union of the backends' models) and admin routes (backends, canary)."""
+"""The router's ASGI app: the OpenAI API relayed to instances, plus its own /health, /metrics, /version,
+/v1/models (the union of the backends' models) and admin routes (backends, canary, policy)."""
 from __future__ import annotations
 
 import contextlib
@@ -124,6 +124,15 @@ def build_router_app(cfg: RouterConfig) -> Starlette:
             return error_response(InvalidRequestError(f"canary: {e}", param="canary"))
         return JSONResponse({"canary": versions.canary})
 
+    async def admin_policy(request: Request) -> Response:
+        name = (await _json_body(request)).get("policy")
+        try:
+            router.policy = make_policy(str(name), cfg.load_factor)
+        except ValueError as e:
+            return error_response(InvalidRequestError(str(e), param="policy"))
+        cfg.policy = router.policy.name
+        return JSONResponse({"policy": cfg.policy})
+
     async def relay(request: Request) -> Response:
         if request.url.path.startswith("/admin/"):  # instances' admin routes are not reachable through the router
             return JSONResponse(http_error(404, None, request.method, request.url.path), status_code=404)
@@ -133,6 +142,7 @@ def build_router_app(cfg: RouterConfig) -> Starlette:
               Route("/v1/models", models, methods=["GET"]), Route("/version", version, methods=["GET"]),
               Route("/admin/backends", admin_backends, methods=["GET", "POST", "DELETE"]),
               Route("/admin/canary", admin_canary, methods=["PUT"]),
+              Route("/admin/policy", admin_policy, methods=["PUT"]),
               Route("/{path:path}", relay, methods=_METHODS)]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.add_middleware(ApiKeyMiddleware, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key)

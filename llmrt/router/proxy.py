@@ -125,7 +125,10 @@ class Router:
                 release()
                 if retryable_response(upstream.status_code, _json(body)):
                     reason = f"status_{upstream.status_code}"
-                    if upstream.status_code == 429:  # busy, not broken: avoid it until its Retry-After
+                    if _code(body) == "draining":  # going away on purpose: stop routing there before the next poll
+                        b.draining = True
+                        self.metrics.errors.labels(b.name, "draining").inc()
+                    elif upstream.status_code == 429:  # busy, not broken: avoid it until its Retry-After
                         b.busy_until = time.monotonic() + (retry_after_s(upstream.headers) or 1.0)
                         self.metrics.errors.labels(b.name, "status").inc()
                     else:
@@ -256,6 +259,12 @@ def _json(body: bytes) -> Any:
         return json.loads(body)
     except ValueError:
         return None
+
+
+def _code(body: bytes) -> Optional[str]:
+    obj = _json(body)
+    err = obj.get("error") if isinstance(obj, dict) else None
+    return err.get("code") if isinstance(err, dict) else None
 
 
 def _tag(obj: Any, b: Backend) -> bool:
