@@ -302,8 +302,7 @@ def test_rolling_update_with_zero_failed_requests(cluster):
                 if all(x["in_flight"] == 0 and x["draining"] for x in loads):
                     break
                 await asyncio.sleep(0.2)
-        for p in cluster["procs"]:
-            await asyncio.to_thread(instances.stop, p)
+        await asyncio.gather(*(asyncio.to_thread(instances.stop, p) for p in cluster["procs"]))
         await asyncio.sleep(1.5)
         stop.set()
         await load
