@@ -5,8 +5,9 @@ N `llmrt serve` instances and one `llmrt route` process start here on 127.0.0.1.
 `llmrt bench serve` load (streaming completions; request i starts with shared prefix i mod K) once per policy,
 the policy switched on the running router (PUT /admin/policy), in a rotating order; every run draws fresh
 prefixes (its own seed), so no policy finds another's prefixes cached. Per policy the best round (lowest mean
-TTFT) is kept. Added latency: tiny non-streaming requests sent alternately straight to an instance and through
-the router; the paired differences' p50/p99, next to the router's own overhead histogram.
+TTFT) is kept. Added latency: requests sent alternately straight to an instance and through the router (a
+1-token completion, and /tokenize, which involves no engine step, so it times the hop alone); the paired
+differences' p50/p99, next to the router's own in-process time (its llmrt_router_overhead_seconds histogram).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=48, help="requests per run (default: 48)")
     p.add_argument("--concurrency", type=int, default=6, help="requests in flight (default: 6)")
     p.add_argument("--shared-prefix-len", type=int, default=256, help="system prompt tokens (default: 256)")
-    p.add_argument("--num-prefixes", type=int, default=6, help="distinct system prompts (default: 6)")
+    p.add_argument("--num-prefixes", type=int, default=8, help="distinct system prompts (default: 8)")
     p.add_argument("--prompt-len", default="fixed:16", help="each request's own tokens (default: fixed:16)")
     p.add_argument("--output-len", default="fixed:16", help="output tokens (default: fixed:16)")
     p.add_argument("--overhead-requests", type=int, default=150,
@@ -68,18 +69,17 @@ async def _policy_run(base: str, args: argparse.Namespace, seed: int) -> dict[st
     return summary
 
 
-async def _overhead(base: str, urls: list[str], n: int) -> dict[str, Any]:
-    """Tiny requests alternately direct and through the router (which round-robins over the same instances)."""
-    body = {"model": "stories260K", "prompt": [5, 6, 7, 8], "max_tokens": 1, "temperature": 0}
+async def _pairs(base: str, urls: list[str], n: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """n requests to `path` straight to an instance and n through the router (which round-robins over the same
+    instances), alternating which goes first; p50/p99 of each and of the paired differences."""
     direct: list[float] = []
     routed: list[float] = []
-    limits = httpx.Limits(max_keepalive_connections=20)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_keepalive_connections=20)) as client:
         for i in range(n + 5):
             pair = []
             for url in ((urls[i % len(urls)], base) if i % 2 else (base, urls[i % len(urls)])):
                 t = time.perf_counter()
-                r = await client.post(f"{url}/v1/completions", json=body)
+                r = await client.post(f"{url}{path}", json=body)
                 pair.append((url, time.perf_counter() - t, r.status_code))
             if i < 5:
                 continue  # warm-up: connections, first steps
@@ -89,6 +89,13 @@ async def _overhead(base: str, urls: list[str], n: int) -> dict[str, Any]:
     diffs = [r - d for r, d in zip(routed, direct)]
     return {"direct_ms": _pcts(direct), "routed_ms": _pcts(routed), "added_ms": _pcts(diffs),
             "added_p50_of_medians_ms": (_pcts(routed)["p50_ms"] or 0) - (_pcts(direct)["p50_ms"] or 0)}
+
+
+async def _overhead(base: str, urls: list[str], n: int) -> dict[str, Any]:
+    """Added latency on a 1-token completion (engine noise included) and on /tokenize (no engine: the hop alone)."""
+    completion = {"model": "stories260K", "prompt": [5, 6, 7, 8], "max_tokens": 1, "temperature": 0}
+    return {"completion": await _pairs(base, urls, n, "/v1/completions", completion),
+            "tokenize": await _pairs(base, urls, n, "/tokenize", {"prompt": "Once upon a time"})}
 
 
 def _histogram_quantiles(text: str, name: str) -> dict[str, Optional[float]]:
@@ -156,7 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "load_avg_1m": {"start": load_start, "end": load_average()},
               "config": {k: getattr(args, k) for k in ("instances", "rounds", "num_requests", "concurrency",
                                                        "shared_prefix_len", "num_prefixes", "prompt_len",
-                                                       "output_len", "overhead_requests")},
+                                                       "output_len", "overhead_requests", "serve_args")},
               "best": best, "runs": runs, "overhead": overhead,
               "ttft_speedup_vs_round_robin": rr / aff, "ttft_speedup_vs_least_load": ll / aff}
     rows = [{"policy": p, "mean TTFT ms": best[p]["ttft"]["mean_ms"], "p50 TTFT ms": best[p]["ttft"]["p50_ms"],
@@ -164,19 +171,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              "req/s": best[p]["request_throughput"], "failed": best[p]["num_failed"], "load 1m": best[p]["load_1m"]}
             for p in POLICIES]
     print(format_table(rows, list(rows[0])), flush=True)
-    a = overhead["added_ms"]
+    a = overhead["tokenize"]["added_ms"]
     print(f"prefix-affinity mean TTFT: {result['ttft_speedup_vs_round_robin']:.2f}x better than round-robin, "
-          f"{result['ttft_speedup_vs_least_load']:.2f}x than least-load; router added latency p50 "
+          f"{result['ttft_speedup_vs_least_load']:.2f}x than least-load; router added latency (/tokenize pairs) p50 "
           f"{a['p50_ms']:.2f} ms, p99 {a['p99_ms']:.2f} ms (own overhead histogram p50 "
           f"{overhead['router_histogram_ms']['p50_ms']} ms)", flush=True)
     summary = {"instances": args.instances, "workload": f"{args.num_prefixes}x{args.shared_prefix_len}-token prefixes "
                f"+ {args.prompt_len}, out {args.output_len}, c{args.concurrency}",
+               "instance flags": args.serve_args or "-",
                **{f"{p} mean TTFT ms": best[p]["ttft"]["mean_ms"] for p in POLICIES},
                "affinity vs rr": result["ttft_speedup_vs_round_robin"],
                "affinity vs ll": result["ttft_speedup_vs_least_load"],
-               "added p50 ms": a["p50_ms"], "added p99 ms": a["p99_ms"],
+               "hop added p50 ms": a["p50_ms"], "hop added p99 ms": a["p99_ms"],
+               "own p50 ms": overhead["router_histogram_ms"]["p50_ms"],
+               "own p99 ms": overhead["router_histogram_ms"]["p99_ms"],
                "load 1m": result["load_avg_1m"]["end"], "json": f"{args.name}.json"}
     json_path, md_path = write_results(args.name, result, args.output_dir, summary=summary,
-                                       key=["instances", "workload"], table="router")
+                                       key=["instances", "workload", "instance flags"], table="router")
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)
     return result

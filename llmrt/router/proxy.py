@@ -74,8 +74,9 @@ class Router:
         self.budget.record_request()
         tried: set[str] = set()
         last: Optional[Response] = None
-        overhead = 0.0
+        overhead = 0.0  # the router's own time: each attempt's choosing and rewriting, never the backend's
         reason = ""
+        mark = t0
         for attempt in range(self.max_retries + 1):
             if attempt:
                 if not self.budget.try_spend():
@@ -105,19 +106,20 @@ class Router:
                     b.in_flight_tokens -= parsed.info.est_tokens
 
             url = f"{b.url}{request.url.path}" + (f"?{request.url.query}" if request.url.query else "")
-            overhead += time.perf_counter() - t0
+            overhead += time.perf_counter() - mark
             try:
                 upstream = await self.client.send(self.client.build_request(request.method, url, content=raw,
                                                                             headers=headers), stream=True)
             except _RETRYABLE_EXC as e:
                 release()
                 reason = self._attempt_failed(b, "connect", f"{type(e).__name__}: {e}")
+                mark = time.perf_counter()
                 continue
             except httpx.HTTPError as e:
                 release()
                 self.metrics.errors.labels(b.name, "timeout").inc()
                 return self._fail(UnavailableError(f"instance {b.name} did not answer: {type(e).__name__}"), record)
-            t1 = time.perf_counter()
+            t1 = mark = time.perf_counter()
             self.metrics.requests.labels(b.name, str(upstream.status_code)).inc()
             if upstream.status_code >= 400:
                 body = await upstream.aread()
@@ -147,7 +149,9 @@ class Router:
                     release()
                     reason = self._attempt_failed(b, "connect", f"stream ended before its first event: "
                                                                 f"{type(e).__name__}")
+                    mark = time.perf_counter()
                     continue
+                t1 = time.perf_counter()
                 self.pool.record_success(b)
                 self.metrics.overhead.observe(overhead + time.perf_counter() - t1)
                 return StreamingResponse(self._relay(b, upstream, it, first, release, record, t0),
@@ -157,6 +161,7 @@ class Router:
             except _RETRYABLE_EXC as e:
                 release()
                 reason = self._attempt_failed(b, "connect", f"body broken: {type(e).__name__}")
+                mark = time.perf_counter()
                 continue
             finally:
                 await upstream.aclose()
