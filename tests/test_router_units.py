@@ -137,3 +137,16 @@ def test_model_version_hashes_config_and_weights(tmp_path):
     cfg["rms_norm_eps"] = 1e-6
     (copy / "config.json").write_text(json.dumps(cfg))
     assert model_version(str(copy)) != here
+
+
+def test_stream_events_are_tagged_whole_and_the_rest_waits():
+    from llmrt.router.proxy import _tag_body, _tag_events
+
+    b = Backend("http://10.0.0.9:8000", version="v7")
+    head = b'data: {"choices": []}\n\ndata: {"choices": [], "llmrt": {"ttft": 0.1}}\n\ndata: [DO'
+    out, rest = _tag_events(head, b)
+    events = out.split(b"\n\n")
+    assert events[0] == b'data: {"choices": []}' and rest == b"data: [DO"
+    assert json.loads(events[1][6:])["llmrt"] == {"ttft": 0.1, "instance": "10.0.0.9:8000", "model_version": "v7"}
+    assert json.loads(_tag_body(b'{"llmrt": {}}', b))["llmrt"]["model_version"] == "v7"
+    assert _tag_body(b'{"error": {}}', b) == b'{"error": {}}'  # no llmrt object: the bytes as sent

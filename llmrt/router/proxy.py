@@ -122,8 +122,15 @@ class Router:
             t1 = mark = time.perf_counter()
             self.metrics.requests.labels(b.name, str(upstream.status_code)).inc()
             if upstream.status_code >= 400:
-                body = await upstream.aread()
-                await upstream.aclose()
+                try:
+                    body = await upstream.aread()
+                except _RETRYABLE_EXC as e:
+                    release()
+                    reason = self._attempt_failed(b, "connect", f"error body broken: {type(e).__name__}")
+                    mark = time.perf_counter()
+                    continue
+                finally:
+                    await upstream.aclose()
                 release()
                 if retryable_response(upstream.status_code, _json(body)):
                     reason = f"status_{upstream.status_code}"
