@@ -150,3 +150,13 @@ def test_stream_events_are_tagged_whole_and_the_rest_waits():
     assert json.loads(events[1][6:])["llmrt"] == {"ttft": 0.1, "instance": "10.0.0.9:8000", "model_version": "v7"}
     assert json.loads(_tag_body(b'{"llmrt": {}}', b))["llmrt"]["model_version"] == "v7"
     assert _tag_body(b'{"error": {}}', b) == b'{"error": {}}'  # no llmrt object: the bytes as sent
+
+
+def test_bench_serve_shared_prefixes():
+    from llmrt.bench.serve import LengthDist, Workload
+
+    w = Workload(LengthDist("fixed:3", "fixed", 3, 3), LengthDist("fixed:2", "fixed", 2, 2), "tokens", (10, 500),
+                 seed=4, shared_prefix_len=5, num_prefixes=2)
+    r0, r1, r2 = (w.request(i) for i in range(3))
+    assert r0.prompt[:5] == r2.prompt[:5] != r1.prompt[:5] and r0.prompt[5:] != r2.prompt[5:]
+    assert (r0.prompt_len, len(r0.prompt)) == (8, 8)

@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overhead-requests", type=int, default=150,
                    help="pairs of tiny requests (direct, via the router) for the added latency (default: 150)")
     p.add_argument("--serve-args", default="", help="extra flags for the instances, one shell-quoted string")
+    p.add_argument("--router-args", default="", help="extra flags for the router, one shell-quoted string "
+                                                     "(e.g. \"--affinity-load-factor 2\")")
     p.add_argument("--output-dir", default="benchmarks", help="where the JSON and Markdown go (default: benchmarks)")
     p.add_argument("--name", default="router-policies", help="file name of the JSON (default: router-policies)")
 
@@ -91,11 +93,20 @@ async def _pairs(base: str, urls: list[str], n: int, path: str, body: dict[str, 
             "added_p50_of_medians_ms": (_pcts(routed)["p50_ms"] or 0) - (_pcts(direct)["p50_ms"] or 0)}
 
 
-async def _overhead(base: str, urls: list[str], n: int) -> dict[str, Any]:
-    """Added latency on a 1-token completion (engine noise included) and on /tokenize (no engine: the hop alone)."""
+async def _overhead(base: str, urls: list[str], n: int, router_pid: int) -> dict[str, Any]:
+    """Added latency on a 1-token completion (engine noise included) and on /tokenize (no engine: the hop alone),
+    and the router process's CPU time per relayed /tokenize request (what it costs, whatever the waits for a
+    core on a loaded machine; its background health checks are included, so this is an upper bound)."""
+    import psutil
+
     completion = {"model": "stories260K", "prompt": [5, 6, 7, 8], "max_tokens": 1, "temperature": 0}
-    return {"completion": await _pairs(base, urls, n, "/v1/completions", completion),
-            "tokenize": await _pairs(base, urls, n, "/tokenize", {"prompt": "Once upon a time"})}
+    out = {"completion": await _pairs(base, urls, n, "/v1/completions", completion)}
+    proc = psutil.Process(router_pid)
+    before = proc.cpu_times()
+    out["tokenize"] = await _pairs(base, urls, n, "/tokenize", {"prompt": "Once upon a time"})
+    after = proc.cpu_times()
+    out["router_cpu_ms_per_request"] = ((after.user + after.system) - (before.user + before.system)) / n * 1000
+    return out
 
 
 def _histogram_quantiles(text: str, name: str) -> dict[str, Optional[float]]:
@@ -133,7 +144,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"starting {args.instances} instances")
     with instances.launch_instances(args.instances, args.model, extra) as urls:
         router = instances.start("route", *(a for u in urls for a in ("--backend", u)), "--port", "0",
-                                 "--admin-api-key", admin, "--disable-access-log", "--health-interval", "0.5")
+                                 "--admin-api-key", admin, "--disable-access-log", "--health-interval", "0.5",
+                                 *shlex.split(args.router_args))
         try:
             base = instances.wait_healthy(router, 120)
             best: dict[str, dict[str, Any]] = {}
@@ -153,7 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         best[policy] = s
             httpx.put(f"{base}/admin/policy", json={"policy": "round-robin"},
                       headers={"Authorization": f"Bearer {admin}"}).raise_for_status()
-            overhead = asyncio.run(_overhead(base, urls, args.overhead_requests))
+            overhead = asyncio.run(_overhead(base, urls, args.overhead_requests, router.proc.pid))
             overhead["router_histogram_ms"] = _histogram_quantiles(httpx.get(f"{base}/metrics").text,
                                                                    "llmrt_router_overhead_seconds")
         finally:
@@ -163,7 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "load_avg_1m": {"start": load_start, "end": load_average()},
               "config": {k: getattr(args, k) for k in ("instances", "rounds", "num_requests", "concurrency",
                                                        "shared_prefix_len", "num_prefixes", "prompt_len",
-                                                       "output_len", "overhead_requests", "serve_args")},
+                                                       "output_len", "overhead_requests", "serve_args",
+                                                       "router_args")},
               "best": best, "runs": runs, "overhead": overhead,
               "ttft_speedup_vs_round_robin": rr / aff, "ttft_speedup_vs_least_load": ll / aff}
     rows = [{"policy": p, "mean TTFT ms": best[p]["ttft"]["mean_ms"], "p50 TTFT ms": best[p]["ttft"]["p50_ms"],
@@ -176,17 +189,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"{result['ttft_speedup_vs_least_load']:.2f}x than least-load; router added latency (/tokenize pairs) p50 "
           f"{a['p50_ms']:.2f} ms, p99 {a['p99_ms']:.2f} ms (own overhead histogram p50 "
           f"{overhead['router_histogram_ms']['p50_ms']} ms)", flush=True)
-    summary = {"instances": args.instances, "workload": f"{args.num_prefixes}x{args.shared_prefix_len}-token prefixes "
-               f"+ {args.prompt_len}, out {args.output_len}, c{args.concurrency}",
-               "instance flags": args.serve_args or "-",
+    json_path, md_path = write_row(result, args.output_dir)
+    print(f"wrote {json_path} and {md_path}", file=sys.stderr)
+    return result
+
+
+def write_row(result: dict[str, Any], out_dir: str) -> tuple[Any, Any]:
+    """Write the JSON and the result's row of benchmarks/router.md."""
+    c, best, o = result["config"], result["best"], result["overhead"]
+    a = o["tokenize"]["added_ms"]
+    summary = {"instances": c["instances"], "workload": f"{c['num_prefixes']}x{c['shared_prefix_len']}-token "
+               f"prefixes + {c['prompt_len']}, out {c['output_len']}, c{c['concurrency']}",
+               "instance flags": c.get("serve_args") or "-", "router flags": c.get("router_args") or "-",
                **{f"{p} mean TTFT ms": best[p]["ttft"]["mean_ms"] for p in POLICIES},
+               **{f"{p} cached": best[p]["cached_share"] for p in POLICIES},
                "affinity vs rr": result["ttft_speedup_vs_round_robin"],
                "affinity vs ll": result["ttft_speedup_vs_least_load"],
                "hop added p50 ms": a["p50_ms"], "hop added p99 ms": a["p99_ms"],
-               "own p50 ms": overhead["router_histogram_ms"]["p50_ms"],
-               "own p99 ms": overhead["router_histogram_ms"]["p99_ms"],
-               "load 1m": result["load_avg_1m"]["end"], "json": f"{args.name}.json"}
-    json_path, md_path = write_results(args.name, result, args.output_dir, summary=summary,
-                                       key=["instances", "workload", "instance flags"], table="router")
-    print(f"wrote {json_path} and {md_path}", file=sys.stderr)
-    return result
+               "own p50 ms": o["router_histogram_ms"]["p50_ms"], "own p99 ms": o["router_histogram_ms"]["p99_ms"],
+               "router CPU ms/req": o.get("router_cpu_ms_per_request"),
+               "load 1m": result["load_avg_1m"]["end"], "json": f"{result['name']}.json"}
+    return write_results(result["name"], result, out_dir, summary=summary,
+                         key=["instances", "workload", "instance flags", "router flags"], table="router")
