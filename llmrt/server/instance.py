@@ -61,7 +61,7 @@ def _safetensors_header(path: Path) -> bytes:
 
 
 def install_instance_routes(app: FastAPI, state: Any, args: Any = None) -> str:
-    """Add /load and the admin drain routes (the API-key middleware keeps /admin/* off unless a key is set);
+    """Add /load, and the admin drain routes when an admin key is set (the API-key middleware guards them);
     store and return the model version (`--model-version`, default model_version() of the checkpoint)."""
     engine = state.engine
     version = getattr(args, "model_version", None) or model_version(_model_dir(engine))
@@ -75,6 +75,9 @@ def install_instance_routes(app: FastAPI, state: Any, args: Any = None) -> str:
                             kv_usage=round(float(st["kv_usage"]), 4),
                             drain_tokens_per_s=round(float(st["drain_tokens_per_s"]), 1),
                             draining=engine.admission.draining, model_version=version)
+
+    if not getattr(args, "admin_api_key", None):
+        return version  # no admin key: the admin routes do not exist (nor in the OpenAPI schema)
 
     @app.post("/admin/drain", response_model=DrainResponse,
               summary="Stop admitting requests (new ones get 503 draining); admitted ones finish (admin key)")
