@@ -2,10 +2,11 @@
 /v1/models (the union of the backends' models) and admin routes (backends, canary, policy)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import httpx
 from starlette.applications import Starlette
@@ -47,6 +48,8 @@ class RouterConfig:
     admin_api_key: Optional[str] = None  # the router's admin routes
     backend_api_key: Optional[str] = None  # what the router sends to instances
     access_log: bool = True
+    # background tasks that change the pool while it serves (e.g. Ray replicas swapping a restarted actor's URL)
+    watchers: list[Callable[[BackendPool], Awaitable[None]]] = field(default_factory=list)
 
 
 def build_router_app(cfg: RouterConfig) -> Starlette:
@@ -67,9 +70,13 @@ def build_router_app(cfg: RouterConfig) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await pool.check_all()
         pool.start()
+        tasks = [asyncio.create_task(w(pool)) for w in cfg.watchers]
         try:
             yield
         finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await pool.stop()
             await client.aclose()
 

@@ -30,6 +30,14 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
                      help="start N local `llmrt serve MODEL` instances on free ports behind the router")
     src.add_argument("--serve-args", default="", metavar="ARGS",
                      help="extra flags for the launched instances, one shell-quoted string (e.g. \"--max-num-seqs 8\")")
+    src.add_argument("--ray-replicas", type=int, default=0, metavar="N",
+                     help="start N `llmrt serve MODEL` instances as Ray actors (restarted by Ray when they die); "
+                          "needs pip install 'llmrt[ray]'")
+    src.add_argument("--ray-address", default=None, metavar="auto|ADDR",
+                     help="the Ray cluster for --ray-replicas (llmrt must be importable on its nodes); "
+                          "unset, a local one is started in-process")
+    src.add_argument("--ray-cpus-per-replica", type=float, default=1.0, metavar="CPUS",
+                     help="Ray CPUs each replica's placement bundle reserves (default: 1)")
     g = p.add_argument_group("routing")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=9000, help="port to listen on; 0 picks a free one (default: 9000)")
@@ -80,21 +88,36 @@ def run_route(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not args.backend and not args.launch:
-        print("error: give --backend URL (repeatable) or --launch N", file=sys.stderr)
+    if not args.backend and not args.launch and not args.ray_replicas:
+        print("error: give --backend URL (repeatable), --launch N or --ray-replicas N", file=sys.stderr)
         return 2
     _setup_access_log(args.disable_access_log)
     with contextlib.ExitStack() as stack:
         backends = list(args.backend)
+        watchers = []
+        extra = shlex.split(args.serve_args)
+        if args.backend_api_key:
+            extra += ["--api-key", args.backend_api_key]
         if args.launch:
             from llmrt.router.instances import launch_instances
 
-            extra = shlex.split(args.serve_args)
-            if args.backend_api_key:
-                extra += ["--api-key", args.backend_api_key]
             print(f"llmrt route: launching {args.launch} instances of {args.model or 'the embedded model'}...",
                   file=sys.stderr, flush=True)
             backends += stack.enter_context(launch_instances(args.launch, args.model, extra))
+        if args.ray_replicas:
+            from llmrt.router.ray_replicas import ray_replicas
+
+            print(f"llmrt route: starting {args.ray_replicas} Ray replicas of {args.model or 'the embedded model'}"
+                  "...", file=sys.stderr, flush=True)
+            try:
+                replicas = stack.enter_context(ray_replicas(
+                    args.ray_replicas, args.model, extra, address=args.ray_address,
+                    cpus_per_replica=args.ray_cpus_per_replica, poll_s=args.health_interval))
+            except RuntimeError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            backends += replicas.urls
+            watchers.append(replicas.watch)
         cfg = RouterConfig(
             backends=backends, policy=args.policy, canary=canary,
             health=HealthConfig(interval_s=args.health_interval, eject_after=args.eject_after,
@@ -103,7 +126,7 @@ def run_route(args: argparse.Namespace) -> int:
             load_factor=args.affinity_load_factor, max_retries=args.max_retries, retry_ratio=args.retry_budget,
             retry_min=args.retry_min, upstream_timeout=args.upstream_timeout, api_key=args.api_key,
             admin_api_key=args.admin_api_key, backend_api_key=args.backend_api_key,
-            access_log=not args.disable_access_log)
+            access_log=not args.disable_access_log, watchers=watchers)
         try:
             return asyncio.run(_serve(args, cfg))
         except KeyboardInterrupt:
