@@ -113,7 +113,7 @@ def run_route(args: argparse.Namespace) -> int:
                 replicas = stack.enter_context(ray_replicas(
                     args.ray_replicas, args.model, extra, address=args.ray_address,
                     cpus_per_replica=args.ray_cpus_per_replica, poll_s=args.health_interval))
-            except RuntimeError as e:
+            except (RuntimeError, ConnectionError) as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
             backends += replicas.urls

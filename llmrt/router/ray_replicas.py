@@ -101,11 +101,12 @@ def ray_replicas(n: int, model: Optional[str], extra_args: list[str], address: O
 
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+        # "local" always starts a new cluster; None would join one found in /tmp/ray
+        ray.init(address=address or "local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     pg = placement_group([{"CPU": cpus_per_replica}] * n, strategy="SPREAD")
     actors: list[Any] = []
     try:
-        if not ray.get(pg.ready(), timeout=startup_timeout):
+        if not pg.wait(timeout_seconds=startup_timeout):
             raise RuntimeError(f"Ray cannot place {n} replicas of {cpus_per_replica} CPU each")
         cls = ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=cpus_per_replica)(ServeReplica)
         cli_args = [*([model] if model else []), *extra_args]
