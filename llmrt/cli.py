@@ -1,4 +1,5 @@
-"""The `llmrt` command: generate, serve, bench (throughput, serve, structured, spec, mixed, prefix, context), plan."""
+"""The `llmrt` command: generate, serve, route, bench (throughput, serve, structured, spec, mixed, prefix, context,
+router), plan."""
 from __future__ import annotations
 
 import argparse
@@ -102,6 +103,23 @@ def build_parser() -> argparse.ArgumentParser:
     from llmrt.bench import workloads
 
     workloads.add_subcommands(bench_sub)
+
+    route = sub.add_parser("route", help="route the OpenAI API over many llmrt instances (policies, versions, "
+                                         "canaries, health checks, safe retries)",
+                           description="A router in front of llmrt serve instances: give them with --backend, or "
+                                       "start them with --launch N. Same OpenAI API; x-llmrt-instance and "
+                                       "x-llmrt-model-version name who served each call. See docs/router.md.")
+    from llmrt.router.launch import add_route_arguments, run_route
+
+    add_route_arguments(route)
+    route.set_defaults(func=run_route)
+    from llmrt.bench import router as bench_router
+
+    br = bench_sub.add_parser("router", help="routing policies on a shared-system-prompt workload over local "
+                                             "instances, and the router's added latency",
+                              description=bench_router.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_router.add_arguments(br)
+    br.set_defaults(func=lambda a: (bench_router.run(a), 0)[1])
 
     plan = sub.add_parser("plan", help="memory breakdown and capacity for a model config, without weights",
                           description="Print how weights, activations and KV blocks split a device's memory for "

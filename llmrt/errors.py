@@ -49,6 +49,12 @@ class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 
 
+class AuthenticationError(LLMRTError):
+    """A missing or wrong API key (`--api-key`, `--admin-api-key`)."""
+
+    code, http_status, retryable, error_type = "invalid_api_key", 401, False, "invalid_request_error"
+
+
 class ModelNotFoundError(LLMRTError):
     """Unknown model name."""
 
@@ -91,6 +97,19 @@ class EngineDeadError(LLMRTError):
     code, http_status, retryable, error_type = "engine_dead", 503, True, "server_error"
 
 
+class DrainingError(LLMRTError):
+    """The instance is draining (POST /admin/drain): it finishes its work but takes no new requests; retry on
+    another instance. 503, not 429: the client is not sending too much, this instance is going away."""
+
+    code, http_status, retryable, error_type = "draining", 503, True, "server_error"
+
+
+class UnavailableError(LLMRTError):
+    """A router found no instance that could take the request (all down, draining, or failing); retry later."""
+
+    code, http_status, retryable, error_type = "unavailable", 503, True, "server_error"
+
+
 class HardwareFaultError(LLMRTError):
     """The device failed; retry on another instance."""
 
@@ -104,7 +123,7 @@ class CancelledError(LLMRTError):
 
 
 ALL_ERRORS: tuple[type[LLMRTError], ...] = (
-    InvalidRequestError, ContextLengthExceededError, ModelNotFoundError, UnsupportedError, ModelLoadError,
-    CapacityExceededError, DeadlineExceededError, OutOfMemoryError, EngineDeadError, HardwareFaultError,
-    CancelledError,
+    InvalidRequestError, ContextLengthExceededError, AuthenticationError, ModelNotFoundError, UnsupportedError,
+    ModelLoadError, CapacityExceededError, DeadlineExceededError, OutOfMemoryError, EngineDeadError, DrainingError,
+    UnavailableError, HardwareFaultError, CancelledError,
 )

@@ -12,10 +12,12 @@ from llmrt.config import ServerConfig
 from llmrt.errors import InvalidRequestError
 from llmrt.server import protocol as P
 from llmrt.server import tokenizing
+from llmrt.server.auth import ApiKeyMiddleware
 from llmrt.server.chat import create_chat_completion
 from llmrt.server.completions import create_completion
 from llmrt.server.engine_client import EngineClient
 from llmrt.server.errors import install_exception_handlers
+from llmrt.server.instance import install_instance_routes
 from llmrt.server.middleware import MAX_BODY_BYTES, ServerMiddleware
 from llmrt.server.observability import install_observability
 from llmrt.server.offload import Offloader
@@ -58,6 +60,9 @@ def build_app(engine: EngineClient, args: Any = None) -> FastAPI:
     app.state.llmrt = state
     install_exception_handlers(app)
     metrics, _ = install_observability(app, state)
+    model_version = install_instance_routes(app, state, args)
+    app.add_middleware(ApiKeyMiddleware, api_key=getattr(args, "api_key", None),
+                       admin_api_key=getattr(args, "admin_api_key", None))
     app.add_middleware(ServerMiddleware, max_body_bytes=getattr(args, "max_body_bytes", None) or MAX_BODY_BYTES,
                        access_log=not getattr(args, "disable_access_log", False),
                        on_finish=metrics.observe_access_record)
@@ -76,7 +81,7 @@ def build_app(engine: EngineClient, args: Any = None) -> FastAPI:
     async def models() -> P.ModelList:
         return P.ModelList(data=[P.ModelCard(id=state.model_name, created=state.created,
                                              root=str(getattr(args, "model", None) or engine.model_name),
-                                             max_model_len=engine.max_model_len)])
+                                             max_model_len=engine.max_model_len, model_version=model_version)])
 
     @app.post("/tokenize", response_model=P.TokenizeResponse, responses=_ERRORS,
               summary="Token ids of a prompt, or of messages rendered with the chat template")
@@ -97,9 +102,9 @@ def build_app(engine: EngineClient, args: Any = None) -> FastAPI:
         return JSONResponse(P.HealthResponse(status="unhealthy", reason=reason).model_dump(), status_code=503,
                             headers={"Cache-Control": "no-store"})
 
-    @app.get("/version", response_model=P.VersionResponse, summary="The llmrt version")
+    @app.get("/version", response_model=P.VersionResponse, summary="The llmrt version and the model version")
     async def version() -> P.VersionResponse:
-        return P.VersionResponse(version=llmrt.__version__)
+        return P.VersionResponse(version=llmrt.__version__, model_version=model_version)
 
     if state.debug:
         @app.get("/debug/stats", summary="Engine figures (debug endpoints only)")

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -55,6 +56,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-debug-endpoints", action="store_true",
                    help="serve GET /debug/stats and POST /debug/fault (fault injection: stall, crash, oom); "
                         "for tests, never in production")
+    g.add_argument("--model-version", default=None,
+                   help="the version /version, /v1/models and /load report, which routers pin and canary by "
+                        "(default: a short hash of the config, the weights' metadata and the llmrt version)")
+    g.add_argument("--api-key", default=os.environ.get("LLMRT_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every route but /health (default: $LLMRT_API_KEY; "
+                        "unset: no key)")
+    g.add_argument("--admin-api-key", default=os.environ.get("LLMRT_ADMIN_API_KEY"),
+                   help="the key of POST /admin/drain and /admin/resume; unset, the admin routes do not exist "
+                        "(default: $LLMRT_ADMIN_API_KEY)")
     g.add_argument("--disable-access-log", action="store_true",
                    help="do not write the JSON access-log line per request (logger llmrt.access, to stderr; "
                         "successful polls of /metrics and /dashboard are never logged)")
@@ -148,7 +158,7 @@ def _print_banner(args: argparse.Namespace, engine: Any, port: int) -> None:
     name = args.served_model_name or engine.model_name
     body = json.dumps({"model": name, "prompt": "Once upon a time", "max_tokens": 32})
     print(f"llmrt serve: {name} (max_model_len {engine.max_model_len}) on {base}\n"
-          f"  OpenAI API at {base}/v1 (any api key), docs at {base}/docs\n"
+          f"  OpenAI API at {base}/v1 ({'Bearer --api-key' if getattr(args, 'api_key', None) else 'any api key'}), docs at {base}/docs\n"
           f"  try: curl {base}/v1/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
 
 

@@ -332,6 +332,7 @@ class ModelCard(_Response):
     owned_by: str = "llmrt"
     root: Optional[str] = None
     max_model_len: Optional[int] = None
+    model_version: Optional[str] = None  # --model-version, or a hash of the checkpoint and llmrt's version
 
 
 class ModelList(_Response):
@@ -371,6 +372,7 @@ class HealthResponse(_Response):
 
 class VersionResponse(_Response):
     version: str
+    model_version: Optional[str] = None
 
 
 class FaultRequest(_Request):
