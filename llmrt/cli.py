@@ -1,4 +1,4 @@
-"""The `llmrt` command: generate, serve, bench (throughput, serve, structured, spec, mixed, prefix, context), plan."""
+"""The `llmrt` command: generate, serve, bench (throughput, serve, structured, spec, mixed, prefix, context, quality), plan."""
 from __future__ import annotations
 
 import argparse
@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     from llmrt.bench import workloads
 
     workloads.add_subcommands(bench_sub)
+    from llmrt.bench import quality
+
+    qu = bench_sub.add_parser("quality", help="perplexity and teacher-forced top-1 agreement of quantized "
+                                              "configurations vs the unquantized model", description=quality.__doc__)
+    quality.add_arguments(qu)
+    qu.set_defaults(func=quality.run)
 
     plan = sub.add_parser("plan", help="memory breakdown and capacity for a model config, without weights",
                           description="Print how weights, activations and KV blocks split a device's memory for "

@@ -107,7 +107,9 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
 
     @app.get("/version", response_model=P.VersionResponse, summary="The llmrt version")
     async def version() -> P.VersionResponse:
-        return P.VersionResponse(version=llmrt.__version__)
+        config = getattr(engine, "config", None)
+        return P.VersionResponse(version=llmrt.__version__,
+                                 formats=config.formats_report() if hasattr(config, "formats_report") else None)
 
     if state.debug:
         @app.get("/debug/stats", summary="Engine figures (debug endpoints only)")

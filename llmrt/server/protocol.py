@@ -369,6 +369,7 @@ class HealthResponse(_Response):
 
 class VersionResponse(_Response):
     version: str
+    formats: Optional[dict[str, Any]] = Field(None, description="weight/KV formats and how the device computes them")
 
 
 class FaultRequest(_Request):
