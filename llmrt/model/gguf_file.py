@@ -1,8 +1,8 @@
 """GGUF checkpoints (llama.cpp's format) through the `gguf` package: config, tokenizer and weights from one file.
 
-Every tensor type gguf can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ...) is
-dequantized at load by `gguf.quants.dequantize` (llama.cpp's reference arithmetic) into the model dtype; none
-stays in its GGUF block layout yet. `--quantization int8|int4` then re-quantizes the decoder layers into our
+Every tensor is dequantized to float32 at load: Q8_0, Q4_0, Q4_K, Q5_K and Q6_K by our own torch code
+(gguf_quants.py, bit-identical to gguf's reference), every other type gguf can dequantize (F32, F16, BF16, Q4_1,
+Q5_0, Q5_1, Q2_K, Q3_K, IQ*) by `gguf.quants.dequantize`; none stays in its GGUF block layout yet. `--quantization int8|int4` then re-quantizes the decoder layers into our
 layouts, as for any checkpoint. Llama-family architectures only (llama, mistral, qwen2, qwen3).
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from llmrt.errors import ModelLoadError, UnsupportedError
+from llmrt.model.gguf_quants import DEQUANTIZERS
 
 # GGUF general.architecture -> the HF architecture our model classes implement.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -98,13 +99,17 @@ def gguf_tensors(path: str, hf_config: dict[str, Any]) -> Iterator[tuple[str, to
     reader = _reader(path)
     arch = hf_config["model_type"]
     for t in reader.tensors:
-        try:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise UnsupportedError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be "
-                                   "dequantized here", param="model")
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
-        w = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
+        ours = DEQUANTIZERS.get(t.tensor_type.name)
+        if ours is not None:
+            w = ours(torch.from_numpy(np.array(t.data, dtype=np.uint8))).reshape(shape)
+        else:
+            try:
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError:
+                raise UnsupportedError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be "
+                                       "dequantized here", param="model")
+            w = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
         name = _hf_name(t.name)
         if arch in ("llama", "mistral") and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = _unpermute(w, hf_config["num_attention_heads"])
