@@ -199,3 +199,19 @@ def test_int8_kv_survives_swap_and_prefix_reuse(embedded_model_dir):
     assert got == want
     again = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]  # prefix-cache hits
     assert again == want
+
+
+def test_version_endpoint_reports_the_formats():
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from llmrt.server.app import build_app
+    from tests.test_server_app import FakeEngine
+
+    engine = FakeEngine()
+    engine.config = EngineConfig.create(quantization="int8", kv_cache_dtype="int8", device="cpu")
+    with TestClient(build_app(engine, SimpleNamespace(model=None))) as c:
+        body = c.get("/version").json()
+    assert body["formats"]["quantization"] == "int8" and body["formats"]["kv_cache_dtype"] == "int8"
+    assert {f["format"]: f["status"] for f in body["formats"]["formats"]}["int8"] in (NATIVE, EMULATED)
