@@ -1,5 +1,5 @@
 """The `llmrt` command: generate, serve, route, bench (throughput, serve, structured, spec, mixed, prefix, context,
-router), plan."""
+router, quality), plan."""
 from __future__ import annotations
 
 import argparse
@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     from llmrt.bench import workloads
 
     workloads.add_subcommands(bench_sub)
+    from llmrt.bench import quality
+
+    qu = bench_sub.add_parser("quality", help="perplexity and teacher-forced top-1 agreement of quantized "
+                                              "configurations vs the unquantized model", description=quality.__doc__)
+    quality.add_arguments(qu)
+    qu.set_defaults(func=quality.run)
 
     route = sub.add_parser("route", help="route the OpenAI API over many llmrt instances (policies, versions, "
                                          "canaries, health checks, safe retries)",

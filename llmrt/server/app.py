@@ -104,7 +104,9 @@ def build_app(engine: EngineClient, args: Any = None) -> FastAPI:
 
     @app.get("/version", response_model=P.VersionResponse, summary="The llmrt version and the model version")
     async def version() -> P.VersionResponse:
-        return P.VersionResponse(version=llmrt.__version__, model_version=model_version)
+        config = getattr(engine, "config", None)
+        return P.VersionResponse(version=llmrt.__version__, model_version=model_version,
+                                 formats=config.formats_report() if hasattr(config, "formats_report") else None)
 
     if state.debug:
         @app.get("/debug/stats", summary="Engine figures (debug endpoints only)")

@@ -373,6 +373,7 @@ class HealthResponse(_Response):
 class VersionResponse(_Response):
     version: str
     model_version: Optional[str] = None
+    formats: Optional[dict[str, Any]] = Field(None, description="weight/KV formats and how the device computes them")
 
 
 class FaultRequest(_Request):
