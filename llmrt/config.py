@@ -213,8 +213,16 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     device: str = "auto"
     attention_backend: str = "auto"  # a name in llmrt.attention.ATTENTION_BACKENDS, or auto for the device's best
+    # Batch-invariant numerics: a request's logits do not depend on what shares its steps (docs/determinism.md).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if self.deterministic:
+            if self.attention_backend not in ("auto", "batch_invariant"):
+                raise UnsupportedError(f"--deterministic computes attention with the batch_invariant backend; "
+                                       f"attention backend {self.attention_backend!r} cannot be combined with it",
+                                       param="attention_backend")
+            self.attention_backend = "batch_invariant"
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -241,6 +249,7 @@ class EngineConfig:
             kwargs["method"] = kwargs.pop("speculative_method")
         device = kwargs.pop("device", None) or "auto"
         attention_backend = kwargs.pop("attention_backend", None) or "auto"
+        deterministic = bool(kwargs.pop("deterministic", False))
         if "scheduling_policy" in kwargs:
             kwargs["policy"] = kwargs.pop("scheduling_policy")
         for key, value in kwargs.items():
@@ -255,4 +264,4 @@ class EngineConfig:
         model_cfg = ModelConfig(model=model or os.environ.get("LLMRT_MODEL", ""), **parts["model"])
         return cls(model=model_cfg, cache=CacheConfig(**parts["cache"]), scheduler=SchedulerConfig(**parts["scheduler"]),
                    parallel=ParallelConfig(**parts["parallel"]), speculative=SpeculativeConfig(**parts["speculative"]),
-                   device=device, attention_backend=attention_backend)
+                   device=device, attention_backend=attention_backend, deterministic=deterministic)
