@@ -42,7 +42,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="how to read tool calls in a model's own output for tool_choice auto (default: the format "
                         "the chat template shows, if any; without one, auto is refused and required/named work)")
     g.add_argument("--enable-debug-endpoints", action="store_true",
-                   help="serve GET /debug/stats and POST /debug/fault (fault injection: stall, crash, oom); "
+                   help="serve GET /debug/stats and POST /debug/fault (fault injection: stall, slow, crash, oom); "
                         "for tests, never in production")
     g.add_argument("--disable-access-log", action="store_true",
                    help="do not write the JSON access-log line per request (logger llmrt.access, to stderr; "

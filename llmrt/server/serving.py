@@ -613,7 +613,8 @@ async def create_completion(state: ServerState, req: P.CompletionRequest, reques
         params.prompt_logprobs = req.logprobs  # echoed prompt tokens carry their logprobs (scoring, lm-eval)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    record.update(response_id=response_id, model=state.model_name, stream=bool(req.stream), user=req.user)
+    record.update(response_id=response_id, model=state.model_name, stream=bool(req.stream), user=req.user,
+                  max_tokens=params.max_tokens)  # what was reserved: `llmrt tokens --access-log` compares it with use
     tokenizer = state.tokenizer
     echo: list[Optional[str]] = [None] * len(prompts)
     if req.echo:
@@ -738,7 +739,8 @@ async def create_chat_completion(state: ServerState, req: P.ChatCompletionReques
                                                req.tools if tools.render_tools else None)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    record.update(response_id=response_id, model=state.model_name, stream=bool(req.stream), user=req.user)
+    record.update(response_id=response_id, model=state.model_name, stream=bool(req.stream), user=req.user,
+                  max_tokens=params.max_tokens)  # what was reserved: `llmrt tokens --access-log` compares it with use
     texts = TokenTexts(tokenizer)
     gen = Generation(state.engine, [prompt_ids], params, response_id, priority=req.priority or 0, user=req.user,
                      timeout=req.timeout, default_timeout=state.default_timeout, prompt_param="messages")
