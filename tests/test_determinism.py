@@ -72,3 +72,21 @@ def test_linear_rows_depend_on_the_batch_unless_tiled():
     layer.row_tile = ROW_TILE
     tiled = {m: layer(x[:m])[0] for m in (1, 2, 8, 16, 64)}
     assert all(torch.equal(tiled[1], r) for r in tiled.values())
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gpt2", "qwen3"])
+def test_deterministic_attention_computes_the_same_model(checkpoints, arch):
+    """The batch-invariant path is the same model: logprobs within float32 rounding of the default backend's,
+    with a sliding window (mistral: 12 tokens), learned positions (gpt2) and q/k norms (qwen3)."""
+    prompts = [TARGET, OTHERS[0], OTHERS[3]]
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3)
+    runs = []
+    for det in (False, True):
+        llm = LLM(str(checkpoints[arch]), dtype="float32", deterministic=det, max_num_batched_tokens=32)
+        runs.append(llm.generate(prompts, params))
+        del llm
+    for a, b in zip(*runs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert ea.keys() == eb.keys()
+            assert all(abs(ea[t] - eb[t]) < 1e-4 for t in ea)

@@ -142,9 +142,8 @@ def render(report: dict[str, Any]) -> str:
         shown = [{**r, "old_token": _shown(r["old_token"]), "new_token": _shown(r["new_token"])}
                  for r in report["mismatches"]]
         lines += ["mismatches (first diverging token; margin = logprob(own token) - logprob(other run's token)):",
-                  format_table(shown, ["index", "mode", "first_diff", "old_token", "new_token",
-                                                      "margin_old", "margin_new", "near_tie", "old_finish",
-                                                      "new_finish", "error"]), ""]
+                  format_table(shown, ["index", "mode", "first_diff", "old_token", "new_token", "margin_old",
+                                       "margin_new", "near_tie", "old_finish", "new_finish", "error"]), ""]
     lines += ["latency (client side):", format_table(report["latency"], ["metric", "stat", "old_ms", "new_ms",
                                                                          ("change_pct", "change %")])]
     if report["memory"]:
