@@ -3,7 +3,8 @@
 Reported: the exact-match rate (same tokens and finish reason); for each mismatch the first diverging token
 position and the logprob margin there in both runs (how much likelier each run found its own token than the
 other run's: a margin near zero is a near-tie flip, a large one a real change); finish-reason changes; TTFT,
-TPOT and end-to-end percentiles old vs new with the change in %; the server's memory figures old vs new.
+TPOT and end-to-end percentiles old vs new with the change in %; the server's memory figures old vs new
+(after each run) and how much each grew during its run.
 The exit status is 1 when a threshold is crossed, else 0.
 """
 from __future__ import annotations
@@ -69,6 +70,12 @@ def _change(old: Optional[float], new: Optional[float]) -> Optional[float]:
     return (new - old) / old * 100.0 if old and new is not None else None
 
 
+def _growth(server: dict[str, Any]) -> dict[str, float]:
+    """How much each memory series grew during one run (after - before)."""
+    before, after = server["before"]["memory"], server["after"]["memory"]
+    return {k: after[k] - before[k] for k in after if k in before}
+
+
 def compare_runs(golden: dict[str, Any], run: dict[str, Any], near_tie: float) -> dict[str, Any]:
     """The whole report (also what --json prints)."""
     rows = [compare_request(o, n) for o, n in zip(golden["requests"], run["requests"])]
@@ -80,9 +87,13 @@ def compare_runs(golden: dict[str, Any], run: dict[str, Any], near_tie: float) -
     latency = [{"metric": m, "stat": s, "old_ms": lat_old[m][s], "new_ms": lat_new[m][s],
                 "change_pct": _change(lat_old[m][s], lat_new[m][s])} for m in LATENCY_METRICS for s in LATENCY_STATS]
     mem_old, mem_new = golden["server"]["after"]["memory"], run["server"]["after"]["memory"]
+    grew_old = _growth(golden["server"])
+    grew_new = _growth(run["server"])
     memory = [{"series": k, "old": mem_old.get(k), "new": mem_new.get(k),
                "delta": (mem_new[k] - mem_old[k]) if k in mem_old and k in mem_new else None,
-               "change_pct": _change(mem_old.get(k), mem_new.get(k))} for k in sorted(set(mem_old) | set(mem_new))]
+               "change_pct": _change(mem_old.get(k), mem_new.get(k)),
+               "old_run_growth": grew_old.get(k), "new_run_growth": grew_new.get(k)}
+              for k in sorted(set(mem_old) | set(mem_new))]
     return {"golden": {"base_url": golden["base_url"], "model": golden["model"], "date": golden["date"],
                        "version": golden["server"]["before"]["version"]},
             "new": {"base_url": run["base_url"], "model": run["model"], "date": run["date"],
@@ -148,7 +159,8 @@ def render(report: dict[str, Any]) -> str:
                                                                          ("change_pct", "change %")])]
     if report["memory"]:
         lines += ["", "server memory (after each run):",
-                  format_table(report["memory"], ["series", "old", "new", "delta", ("change_pct", "change %")])]
+                  format_table(report["memory"], ["series", "old", "new", "delta", ("change_pct", "change %"),
+                                                  "old_run_growth", "new_run_growth"])]
     return "\n".join(lines)
 
 
