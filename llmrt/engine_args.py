@@ -102,8 +102,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "verifying costs real work (default: %(default)s)")
 
 
-_ENGINE_KEYS = ("dtype", "device", "attention_backend", "deterministic", "max_model_len", "block_size", "kv_cache_memory",
-                "gpu_memory_utilization", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
+_ENGINE_KEYS = ("dtype", "device", "attention_backend", "deterministic", "max_model_len", "block_size",
+                "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
                 "scheduling_policy", "short_first_aging_steps", "enable_prefix_caching", "preemption_mode",
                 "swap_space", "kv_watermark", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
                 "speculative_model", "speculative_max_batch_tokens")
