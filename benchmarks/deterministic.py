@@ -64,8 +64,8 @@ def main() -> None:
                "single TPOT ms default": n["single_tpot_ms"], "single TPOT ms deterministic": d["single_tpot_ms"],
                "single ratio": n["single_tpot_ms"] / d["single_tpot_ms"], "load avg": f"{load_start}-{load_average()}"}
     result = {"date": now_iso(), "machine": machine_info(), "dtype": args.dtype, "model": "random-110m",
-              "workload": {"num_prompts": args.num_prompts, "prompt_len": "uniform:64,256", "output_len": args.output_len,
-                           "single_prompt_len": 128, "rounds": args.rounds},
+              "workload": {"num_prompts": args.num_prompts, "prompt_len": "uniform:64,256",
+                           "output_len": args.output_len, "single_prompt_len": 128, "rounds": args.rounds},
               "load_avg_1m": {"start": load_start, "end": load_average()}, "best": best, "rounds": rounds,
               "summary": summary}
     write_results(f"deterministic-{args.dtype}", result, args.output_dir, summary=summary, table="deterministic")

@@ -18,8 +18,8 @@ EMBEDDED = Path(__file__).resolve().parents[1] / "llmrt" / "data" / "stories260K
 TOKENIZER_DIRS = [EMBEDDED] + [FIXTURES / n for n in ("gpt2", "llama2", "llama3", "mistral", "phi3")]
 SYSTEM = ("You are a careful assistant for a small shop that sells bread, cakes and pastries. Answer in short "
           "sentences, name prices in euros, and never promise a delivery time you cannot keep.")
-TOOLS = [{"type": "function", "function": {"name": "price", "description": "The price of an item",
-                                           "parameters": {"type": "object", "properties": {"item": {"type": "string"}}}}}]
+ITEM = {"type": "object", "properties": {"item": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "price", "description": "The price of an item", "parameters": ITEM}}]
 BODIES = [
     {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How much is a baguette?"}]},
     {"messages": [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi! What can I do?"},

@@ -128,11 +128,11 @@ def violations(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
     if rate is not None and rate < args.min_exact_match:
         out.append(f"exact-match rate {rate:.1%} is under {args.min_exact_match:.1%}")
     if args.max_latency_regression is not None:
-        stats = set(args.latency_stats.split(","))
+        stats, limit = set(args.latency_stats.split(",")), args.max_latency_regression
         for row in report["latency"]:
-            if row["stat"] in stats and row["change_pct"] is not None and row["change_pct"] > args.max_latency_regression:
+            if row["stat"] in stats and row["change_pct"] is not None and row["change_pct"] > limit:
                 out.append(f"{row['metric']} {row['stat']} regressed {row['change_pct']:+.1f}% "
-                           f"({row['old_ms']:.2f} -> {row['new_ms']:.2f} ms; allowed +{args.max_latency_regression:g}%)")
+                           f"({row['old_ms']:.2f} -> {row['new_ms']:.2f} ms; allowed +{limit:g}%)")
     if args.max_memory_increase is not None:
         for row in report["memory"]:
             if row["change_pct"] is not None and row["change_pct"] > args.max_memory_increase:
