@@ -1,5 +1,5 @@
 """The `llmrt` command: generate, serve, route, bench (throughput, serve, structured, spec, mixed, prefix, context,
-router, quality), plan."""
+router, quality), plan, regress (record, compare), tokens."""
 from __future__ import annotations
 
 import argparse
@@ -135,6 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_cmd.add_arguments(plan)
     plan.set_defaults(func=plan_cmd.run)
+
+    regress = sub.add_parser("regress", help="record a workload's outputs and latencies, compare another endpoint "
+                                             "against them (safe upgrades, CI gates)")
+    from llmrt.tools import regress as regress_cmd
+
+    regress_cmd.add_subcommands(regress.add_subparsers(dest="regress_command", required=True))
+
+    from llmrt.tools import tokens as tokens_cmd, tokens_report
+
+    tok = sub.add_parser("tokens", help="what requests cost in tokens: parts, shares, repeated prefixes, FLOPs, KV",
+                         description=tokens_cmd.__doc__, epilog=tokens_report.EXAMPLES,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    tokens_report.add_arguments(tok)
+    tok.set_defaults(func=tokens_report.run)
     return parser
 
 

@@ -229,8 +229,19 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"  # a name in llmrt.attention.ATTENTION_BACKENDS, or auto for the device's best
     formats: list = field(default_factory=list, init=False, repr=False)  # hardware.FormatSupport, set below
+    # Batch-invariant numerics: a request's logits do not depend on what shares its steps (docs/determinism.md).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if self.deterministic:
+            if self.attention_backend not in ("auto", "batch_invariant"):
+                raise UnsupportedError(f"--deterministic computes attention with the batch_invariant backend; "
+                                       f"attention backend {self.attention_backend!r} cannot be combined with it",
+                                       param="attention_backend")
+            if self.cache.kv_cache_dtype != "auto":
+                raise UnsupportedError("--deterministic reads the KV cache in the model dtype; it cannot be combined "
+                                       f"with --kv-cache-dtype {self.cache.kv_cache_dtype}", param="kv_cache_dtype")
+            self.attention_backend = "batch_invariant"
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -269,6 +280,7 @@ class EngineConfig:
             kwargs["method"] = kwargs.pop("speculative_method")
         device = kwargs.pop("device", None) or "auto"
         attention_backend = kwargs.pop("attention_backend", None) or "auto"
+        deterministic = bool(kwargs.pop("deterministic", False))
         if "scheduling_policy" in kwargs:
             kwargs["policy"] = kwargs.pop("scheduling_policy")
         for key, value in kwargs.items():
@@ -283,7 +295,7 @@ class EngineConfig:
         model_cfg = ModelConfig(model=model or os.environ.get("LLMRT_MODEL", ""), **parts["model"])
         return cls(model=model_cfg, cache=CacheConfig(**parts["cache"]), scheduler=SchedulerConfig(**parts["scheduler"]),
                    parallel=ParallelConfig(**parts["parallel"]), speculative=SpeculativeConfig(**parts["speculative"]),
-                   device=device, attention_backend=attention_backend)
+                   device=device, attention_backend=attention_backend, deterministic=deterministic)
 
 
 @dataclass

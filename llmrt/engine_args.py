@@ -43,6 +43,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=default_of(EngineConfig, "attention_backend"),
                    choices=["auto", *sorted(ATTENTION_BACKENDS)],
                    help="attention kernels; auto picks the best one for the device (default: %(default)s)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics: a request's logits are bitwise the same whatever else shares "
+                        "its steps, however its prompt is chunked and whether its prefix was cached (fixed-size "
+                        "matmul row tiles, the batch_invariant attention backend); costs throughput "
+                        "(docs/determinism.md)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--block-size", type=int, default=default_of(c, "block_size"),
@@ -106,8 +111,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "verifying costs real work (default: %(default)s)")
 
 
-_ENGINE_KEYS = ("dtype", "device", "attention_backend", "max_model_len", "block_size", "kv_cache_memory",
-                "gpu_memory_utilization", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
+_ENGINE_KEYS = ("dtype", "device", "attention_backend", "deterministic", "max_model_len", "block_size",
+                "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
                 "scheduling_policy", "short_first_aging_steps", "enable_prefix_caching", "preemption_mode",
                 "swap_space", "kv_watermark", "quantization", "quant_group_size", "kv_cache_dtype", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
                 "speculative_model", "speculative_max_batch_tokens")

@@ -194,7 +194,7 @@ class AsyncLLM:
         return out
 
     async def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
-        """Test hook: stall the next step, crash the core, or fail the next step with out-of-memory."""
+        """Test hook: stall the next step, slow every later step, crash the core, or fail the next step with out-of-memory."""
         if not self.enable_fault_injection:
             raise UnsupportedError("fault injection is off (start the server with --enable-debug-endpoints)")
         if kind not in FAULT_KINDS:

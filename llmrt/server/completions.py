@@ -123,7 +123,7 @@ async def create_completion(state: ServerState, req: P.CompletionRequest, reques
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
     if req.echo and req.logprobs is not None:
         params.prompt_logprobs = req.logprobs  # echoed prompt tokens carry their logprobs (scoring, lm-eval)
-    head = start_response(state, request, "cmpl", req)
+    head = start_response(state, request, "cmpl", req, params.max_tokens)
     tokenizer = state.tokenizer
     prompt_ids, echo = await state.offload.run(prepare_prompts, state, prompts, bool(req.echo), params)
     texts = TokenTexts(tokenizer)

@@ -54,7 +54,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="how to read tool calls in a model's own output for tool_choice auto (default: the format "
                         "the chat template shows, if any; without one, auto is refused and required/named work)")
     g.add_argument("--enable-debug-endpoints", action="store_true",
-                   help="serve GET /debug/stats and POST /debug/fault (fault injection: stall, crash, oom); "
+                   help="serve GET /debug/stats and POST /debug/fault (fault injection: stall, slow, crash, oom); "
                         "for tests, never in production")
     g.add_argument("--model-version", default=None,
                    help="the version /version, /v1/models and /load report, which routers pin and canary by "

@@ -379,8 +379,9 @@ class VersionResponse(_Response):
 class FaultRequest(_Request):
     """POST /debug/fault (debug endpoints only)."""
 
-    kind: Literal["stall", "crash", "oom"]
-    seconds: Optional[float] = Field(0.0, description="for stall: how long the next engine step sleeps")
+    kind: Literal["stall", "crash", "oom", "slow"]
+    seconds: Optional[float] = Field(0.0, description="for stall: how long the next engine step sleeps; for slow: "
+                                                      "how long every later step sleeps (0: off)")
 
 
 class FaultResponse(_Response):

@@ -40,10 +40,13 @@ class ResponseHead:
     created: int
 
 
-def start_response(state: ServerState, request: Request, prefix: str, req: P._SamplingFields) -> ResponseHead:
-    """A new response id (`prefix`-<hex>), noted in the request's access record."""
+def start_response(state: ServerState, request: Request, prefix: str, req: P._SamplingFields,
+                   max_tokens: Optional[int] = None) -> ResponseHead:
+    """A new response id (`prefix`-<hex>), noted in the request's access record with the reserved max_tokens."""
     head = ResponseHead(f"{prefix}-{uuid.uuid4().hex}", state.model_name, int(time.time()))
-    access_record(request).update(response_id=head.id, model=head.model, stream=bool(req.stream), user=req.user)
+    # max_tokens is what was reserved: `llmrt tokens --access-log` compares it with what was used.
+    access_record(request).update(response_id=head.id, model=head.model, stream=bool(req.stream), user=req.user,
+                                  max_tokens=max_tokens)
     return head
 
 
