@@ -1,4 +1,5 @@
-"""The `llmrt` command: generate, serve, bench (throughput, serve, structured, spec, mixed, prefix, context), plan."""
+"""The `llmrt` command: generate, serve, route, bench (throughput, serve, structured, spec, mixed, prefix, context,
+router, quality), plan, regress (record, compare), tokens."""
 from __future__ import annotations
 
 import argparse
@@ -93,9 +94,38 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_spec.add_arguments(sp)
     sp.set_defaults(func=lambda a: (bench_spec.run(a), 0)[1])
+    from llmrt.bench import health as bench_health
+
+    hl = bench_sub.add_parser("health", help="/health and /metrics latency while large bodies are tokenized",
+                              description=bench_health.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_health.add_arguments(hl)
+    hl.set_defaults(func=lambda a: (bench_health.run(a), 0)[1])
     from llmrt.bench import workloads
 
     workloads.add_subcommands(bench_sub)
+    from llmrt.bench import quality
+
+    qu = bench_sub.add_parser("quality", help="perplexity and teacher-forced top-1 agreement of quantized "
+                                              "configurations vs the unquantized model", description=quality.__doc__)
+    quality.add_arguments(qu)
+    qu.set_defaults(func=quality.run)
+
+    route = sub.add_parser("route", help="route the OpenAI API over many llmrt instances (policies, versions, "
+                                         "canaries, health checks, safe retries)",
+                           description="A router in front of llmrt serve instances: give them with --backend, or "
+                                       "start them with --launch N. Same OpenAI API; x-llmrt-instance and "
+                                       "x-llmrt-model-version name who served each call. See docs/router.md.")
+    from llmrt.router.launch import add_route_arguments, run_route
+
+    add_route_arguments(route)
+    route.set_defaults(func=run_route)
+    from llmrt.bench import router as bench_router
+
+    br = bench_sub.add_parser("router", help="routing policies on a shared-system-prompt workload over local "
+                                             "instances, and the router's added latency",
+                              description=bench_router.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_router.add_arguments(br)
+    br.set_defaults(func=lambda a: (bench_router.run(a), 0)[1])
 
     plan = sub.add_parser("plan", help="memory breakdown and capacity for a model config, without weights",
                           description="Print how weights, activations and KV blocks split a device's memory for "
@@ -105,6 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_cmd.add_arguments(plan)
     plan.set_defaults(func=plan_cmd.run)
+
+    regress = sub.add_parser("regress", help="record a workload's outputs and latencies, compare another endpoint "
+                                             "against them (safe upgrades, CI gates)")
+    from llmrt.tools import regress as regress_cmd
+
+    regress_cmd.add_subcommands(regress.add_subparsers(dest="regress_command", required=True))
+
+    from llmrt.tools import tokens as tokens_cmd, tokens_report
+
+    tok = sub.add_parser("tokens", help="what requests cost in tokens: parts, shares, repeated prefixes, FLOPs, KV",
+                         description=tokens_cmd.__doc__, epilog=tokens_report.EXAMPLES,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    tokens_report.add_arguments(tok)
+    tok.set_defaults(func=tokens_report.run)
     return parser
 
 

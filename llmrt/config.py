@@ -14,6 +14,8 @@ from llmrt.errors import InvalidRequestError, ModelLoadError, UnsupportedError
 DEFAULT_MODEL_DIR = Path(__file__).parent / "data" / "stories260K"
 DEFAULT_MODEL_NAME = "stories260K"
 
+QUANT_GROUP_SIZES = (32, 64, 128)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # auto: the model dtype
 SCHEDULING_POLICIES = ("fcfs", "priority", "short-first", "fair")
 PREEMPTION_MODES = ("recompute", "swap")
 # On CPU the KV cache gets this many bytes unless told otherwise, capped at what max_num_seqs sequences of
@@ -52,6 +54,7 @@ class ModelConfig:
     seed: int = 0
     served_model_name: Optional[str] = None
     quantization: Optional[str] = None  # a name in llmrt.model.quantization.QUANTIZATION_METHODS; None: unquantized
+    quant_group_size: int = 32  # int4: weights per scale/zero group along the input dim (32, 64 or 128)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     torch_dtype: torch.dtype = torch.float32
 
@@ -61,12 +64,17 @@ class ModelConfig:
             self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
         path = Path(self.model)
         cfg = path / "config.json"
-        if not cfg.is_file():
+        if str(path).endswith(".gguf") and path.is_file():
+            from llmrt.model.gguf_file import gguf_hf_config
+
+            self.hf_config = gguf_hf_config(str(path))  # config, tokenizer and weights all come from the file
+        elif not cfg.is_file():
             raise ModelLoadError(
                 f"model {self.model!r}: no config.json there. llmrt loads local Hugging Face checkpoint "
-                "directories (config.json + *.safetensors + tokenizer files); nothing is downloaded."
+                "directories (config.json + *.safetensors + tokenizer files) and GGUF files; nothing is downloaded."
             )
-        self.hf_config = json.loads(cfg.read_text())
+        else:
+            self.hf_config = json.loads(cfg.read_text())
         self.torch_dtype = parse_dtype(self.dtype, self.hf_config)
         limit = self.derived_max_len()
         if self.max_model_len is None:
@@ -79,7 +87,10 @@ class ModelConfig:
                 param="max_model_len",
             )
         if self.served_model_name is None:
-            self.served_model_name = path.resolve().name
+            self.served_model_name = path.resolve().stem if path.is_file() else path.resolve().name
+        if self.quant_group_size not in QUANT_GROUP_SIZES:
+            raise InvalidRequestError(f"quant_group_size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}",
+                                      param="quant_group_size")
 
     def derived_max_len(self) -> int:
         """The model's own context limit from its config."""
@@ -102,8 +113,12 @@ class CacheConfig:
     num_gpu_blocks_override: Optional[int] = None  # fix the block count (tests, experiments)
     enable_prefix_caching: bool = True  # reuse the KV of full blocks that earlier requests computed
     swap_space: int = 4 << 30  # bytes of host memory for KV blocks swapped out (preemption_mode swap only)
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; int8 stores per-token, per-head scales beside the blocks
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got "
+                                      f"{self.kv_cache_dtype!r}", param="kv_cache_dtype")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError("block_size must be a power of two >= 1", param="block_size")
         if self.swap_space < 0:
@@ -213,12 +228,36 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     device: str = "auto"
     attention_backend: str = "auto"  # a name in llmrt.attention.ATTENTION_BACKENDS, or auto for the device's best
+    formats: list = field(default_factory=list, init=False, repr=False)  # hardware.FormatSupport, set below
+    # Batch-invariant numerics: a request's logits do not depend on what shares its steps (docs/determinism.md).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if self.deterministic:
+            if self.attention_backend not in ("auto", "batch_invariant"):
+                raise UnsupportedError(f"--deterministic computes attention with the batch_invariant backend; "
+                                       f"attention backend {self.attention_backend!r} cannot be combined with it",
+                                       param="attention_backend")
+            if self.cache.kv_cache_dtype != "auto":
+                raise UnsupportedError("--deterministic reads the KV cache in the model dtype; it cannot be combined "
+                                       f"with --kv-cache-dtype {self.cache.kv_cache_dtype}", param="kv_cache_dtype")
+            self.attention_backend = "batch_invariant"
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedError("device cuda requested but no CUDA device is available", param="device")
+        from llmrt.hardware import check_formats
+        from llmrt.model.quantization import get_quantization_config
+
+        get_quantization_config(self.model.quantization)  # an unknown name fails here, before any weight is read
+        self.formats = check_formats(torch.device(self.device), self.model.torch_dtype, self.model.quantization,
+                                     self.cache.kv_cache_dtype)
+
+    def formats_report(self) -> dict[str, Any]:
+        """The weight and KV formats chosen and how this device computes them (for /version and logs)."""
+        return {"dtype": str(self.model.torch_dtype).replace("torch.", ""), "quantization": self.model.quantization,
+                "quant_group_size": self.model.quant_group_size if self.model.quantization == "int4" else None,
+                "kv_cache_dtype": self.cache.kv_cache_dtype, "formats": [f.as_dict() for f in self.formats]}
 
     @classmethod
     def create(cls, model: Optional[str] = None, **kwargs: Any) -> "EngineConfig":
@@ -241,6 +280,7 @@ class EngineConfig:
             kwargs["method"] = kwargs.pop("speculative_method")
         device = kwargs.pop("device", None) or "auto"
         attention_backend = kwargs.pop("attention_backend", None) or "auto"
+        deterministic = bool(kwargs.pop("deterministic", False))
         if "scheduling_policy" in kwargs:
             kwargs["policy"] = kwargs.pop("scheduling_policy")
         for key, value in kwargs.items():
@@ -255,4 +295,19 @@ class EngineConfig:
         model_cfg = ModelConfig(model=model or os.environ.get("LLMRT_MODEL", ""), **parts["model"])
         return cls(model=model_cfg, cache=CacheConfig(**parts["cache"]), scheduler=SchedulerConfig(**parts["scheduler"]),
                    parallel=ParallelConfig(**parts["parallel"]), speculative=SpeculativeConfig(**parts["speculative"]),
-                   device=device, attention_backend=attention_backend)
+                   device=device, attention_backend=attention_backend, deterministic=deterministic)
+
+
+@dataclass
+class ServerConfig:
+    """The knobs of `llmrt serve` beyond the engine's: its flags read their defaults here."""
+
+    max_waiting_requests: Optional[int] = None  # 429 while this many wait (None: unbounded)
+    max_queue_delay_ms: Optional[float] = None  # 429 when the queue would delay a request longer (None: no limit)
+    health_step_timeout: float = 30.0  # /health is 503 when no step completes this long while requests pend
+    request_timeout: Optional[float] = None  # seconds a request may take unless it sets its own timeout
+    max_body_bytes: int = 10 * 1024 * 1024  # larger bodies are refused (400) before they are parsed
+    max_request_tokens: int = 262144  # prompt tokens one request may carry, all its prompts together
+    # The bounded pool that tokenizes, renders chat templates and checks grammars: up to 4 threads, leaving a
+    # core to the event loop (on 2 cores, 1 thread: more would take the loop's CPU while bodies are tokenized).
+    tokenizer_threads: int = max(1, min(4, (os.cpu_count() or 2) - 1))

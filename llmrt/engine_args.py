@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from llmrt.config import (DEFAULT_CPU_KV_CACHE_BYTES, PREEMPTION_MODES, SCHEDULING_POLICIES, SPECULATIVE_METHODS,
+from llmrt.config import (DEFAULT_CPU_KV_CACHE_BYTES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANT_GROUP_SIZES, SCHEDULING_POLICIES, SPECULATIVE_METHODS,
                           CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig)
 
 _GiB = 1 << 30
@@ -43,6 +43,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=default_of(EngineConfig, "attention_backend"),
                    choices=["auto", *sorted(ATTENTION_BACKENDS)],
                    help="attention kernels; auto picks the best one for the device (default: %(default)s)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics: a request's logits are bitwise the same whatever else shares "
+                        "its steps, however its prompt is chunked and whether its prefix was cached (fixed-size "
+                        "matmul row tiles, the batch_invariant attention backend); costs throughput "
+                        "(docs/determinism.md)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--block-size", type=int, default=default_of(c, "block_size"),
@@ -73,6 +78,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=parse_bytes, default=default_of(c, "swap_space"),
                    help=f"host memory for swapped-out KV blocks with --preemption-mode swap, e.g. 4GiB "
                         f"(default: {_gib(default_of(c, 'swap_space'))})")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
+                   help="weight-only quantization at load: int8 (symmetric, per output channel), int4 (group-wise, "
+                        "--quant-group-size), fp8 (e4m3 per channel; CUDA sm_89+ only); refused at start-up where "
+                        "the device cannot compute it (default: none)")
+    g.add_argument("--quant-group-size", type=int, default=default_of(ModelConfig, "quant_group_size"),
+                   choices=list(QUANT_GROUP_SIZES), help="int4: weights per scale group (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default=default_of(c, "kv_cache_dtype"), choices=list(KV_CACHE_DTYPES),
+                   help="KV-cache storage: auto (the model dtype) or int8 (per-token, per-head scales; about 2x the "
+                        "tokens of bf16 in the same memory); fp8 is refused until built (default: %(default)s)")
     g.add_argument("--kv-watermark", type=float, default=default_of(s, "kv_watermark"),
                    help="fraction of KV blocks new admissions leave free, so running sequences can grow before "
                         "anyone is preempted (default: %(default)s)")
@@ -97,10 +111,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "verifying costs real work (default: %(default)s)")
 
 
-_ENGINE_KEYS = ("dtype", "device", "attention_backend", "max_model_len", "block_size", "kv_cache_memory",
-                "gpu_memory_utilization", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
+_ENGINE_KEYS = ("dtype", "device", "attention_backend", "deterministic", "max_model_len", "block_size",
+                "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
                 "scheduling_policy", "short_first_aging_steps", "enable_prefix_caching", "preemption_mode",
-                "swap_space", "kv_watermark", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
+                "swap_space", "kv_watermark", "quantization", "quant_group_size", "kv_cache_dtype", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
                 "speculative_model", "speculative_max_batch_tokens")
 
 

@@ -19,11 +19,22 @@ class LLMRTError(Exception):
         self.retry_after = retry_after
 
     def to_dict(self) -> dict[str, Any]:
-        """OpenAI's error body plus `retryable`."""
+        """OpenAI's error body plus `retryable`, inside `error` (what the openai SDK shows as `e.body`) and
+        at the top level (where this server's clients read it before)."""
         return {
-            "error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code},
+            "error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code,
+                      "retryable": self.retryable},
             "retryable": self.retryable,
         }
+
+
+class InternalError(LLMRTError):
+    """A bug: the caller sees only this generic message and the request id; the log has the details."""
+
+    def __init__(self, request_id: Optional[str]):
+        where = f"request id {request_id}" if request_id else "no request id"
+        super().__init__(f"internal server error ({where}); the server log holds the details under that id")
+        self.request_id = request_id
 
 
 class InvalidRequestError(LLMRTError):
@@ -36,6 +47,12 @@ class ContextLengthExceededError(InvalidRequestError):
     """Prompt plus max_tokens over max_model_len, or more KV than the cache can ever hold."""
 
     code = "context_length_exceeded"
+
+
+class AuthenticationError(LLMRTError):
+    """A missing or wrong API key (`--api-key`, `--admin-api-key`)."""
+
+    code, http_status, retryable, error_type = "invalid_api_key", 401, False, "invalid_request_error"
 
 
 class ModelNotFoundError(LLMRTError):
@@ -80,6 +97,19 @@ class EngineDeadError(LLMRTError):
     code, http_status, retryable, error_type = "engine_dead", 503, True, "server_error"
 
 
+class DrainingError(LLMRTError):
+    """The instance is draining (POST /admin/drain): it finishes its work but takes no new requests; retry on
+    another instance. 503, not 429: the client is not sending too much, this instance is going away."""
+
+    code, http_status, retryable, error_type = "draining", 503, True, "server_error"
+
+
+class UnavailableError(LLMRTError):
+    """A router found no instance that could take the request (all down, draining, or failing); retry later."""
+
+    code, http_status, retryable, error_type = "unavailable", 503, True, "server_error"
+
+
 class HardwareFaultError(LLMRTError):
     """The device failed; retry on another instance."""
 
@@ -93,7 +123,7 @@ class CancelledError(LLMRTError):
 
 
 ALL_ERRORS: tuple[type[LLMRTError], ...] = (
-    InvalidRequestError, ContextLengthExceededError, ModelNotFoundError, UnsupportedError, ModelLoadError,
-    CapacityExceededError, DeadlineExceededError, OutOfMemoryError, EngineDeadError, HardwareFaultError,
-    CancelledError,
+    InvalidRequestError, ContextLengthExceededError, AuthenticationError, ModelNotFoundError, UnsupportedError,
+    ModelLoadError, CapacityExceededError, DeadlineExceededError, OutOfMemoryError, EngineDeadError, DrainingError,
+    UnavailableError, HardwareFaultError, CancelledError,
 )

@@ -174,3 +174,128 @@ def tune_cpu_allocator() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3
     ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1
     return ok and libc.mallopt(m_trim_threshold, 1 << 31) == 1
+
+
+# -- formats the device computes (checked at configuration time, before any weight is read) -------------
+
+NATIVE, EMULATED, UNSUPPORTED = "native", "emulated", "unsupported"
+UNCHECKED = "unchecked"  # a registered format the table does not know (a plugin's): its own code decides
+
+
+@dataclass(frozen=True)
+class FormatSupport:
+    """Whether `device` computes `format` natively, by emulation (slower), or not at all, and why."""
+
+    format: str  # "bfloat16", "int8", "int4", "fp8", "kv:int8", ...
+    device: str  # e.g. "cpu (avx512_bf16, avx512_vnni)" or "cuda sm_80"
+    status: str  # NATIVE | EMULATED | UNSUPPORTED
+    detail: str  # the kernel used, or the slowdown / what would work instead
+
+    def as_dict(self) -> dict[str, str]:
+        """For /version, `llmrt plan --json` and logs."""
+        return {"format": self.format, "device": self.device, "status": self.status, "detail": self.detail}
+
+
+_CPU_ISA = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
+
+
+def describe_device(device: torch.device, flags: frozenset[str] | None = None,
+                    capability: tuple[int, int] | None = None) -> str:
+    """The device and the features that decide its formats, in words."""
+    if device.type == "cuda":
+        major, minor = capability or torch.cuda.get_device_capability(device)
+        return f"cuda sm_{major}{minor}"
+    isa = [f for f in _CPU_ISA if f in (cpu_flags() if flags is None else flags)]
+    return f"cpu ({', '.join(isa) or 'no AVX2'})"
+
+
+def format_support(device: torch.device, fmt: str, flags: frozenset[str] | None = None,
+                   capability: tuple[int, int] | None = None) -> FormatSupport:
+    """The capability table: CPUs by ISA flags, CUDA by compute capability (flags/capability: for tests)."""
+    where = describe_device(device, flags, capability)
+    if device.type == "cuda":
+        cap = capability or torch.cuda.get_device_capability(device)
+        status, detail = _cuda_support(fmt, cap)
+    else:
+        status, detail = _cpu_support(fmt, cpu_flags() if flags is None else flags)
+    return FormatSupport(fmt, where, status, detail)
+
+
+def _cpu_support(fmt: str, flags: frozenset[str]) -> tuple[str, str]:
+    avx2 = "avx2" in flags or "avx512f" in flags
+    if fmt in ("bfloat16", "float16"):
+        native = ("avx512_bf16" in flags or "amx_bf16" in flags) if fmt == "bfloat16" else \
+            ("avx512_fp16" in flags or "amx_fp16" in flags)
+        if native:
+            return NATIVE, f"{fmt} matmuls in hardware"
+        return EMULATED, (f"no {fmt} arithmetic on this CPU: weights stay {fmt} (half the bytes) and matmuls of 3+ "
+                          "rows run in float32 (emulated half matmuls are 3-5x slower than float32)")
+    if fmt in ("int8", "int4"):
+        if avx2 and fmt == "int8":
+            return NATIVE, ("weight-only int8: torch's packed kernel (bf16 activations) for steps of up to 8 rows, "
+                            "dequantized to the compute dtype above (docs/quantization.md)")
+        if avx2:
+            return NATIVE, ("weight-only int4: torch's packed kernel (bf16 activations) for every step "
+                            "(docs/quantization.md)")
+        return EMULATED, f"no AVX2: {fmt} weights are dequantized for every matmul (expect slower than float32)"
+    if fmt in ("fp8", "kv:fp8"):
+        return UNSUPPORTED, ("CPUs have no fp8 matmuls; use --quantization int8 (per-channel) or int4 (group-wise) "
+                             "for weights, --kv-cache-dtype int8 for the KV cache; fp8 needs CUDA sm_89+")
+    if fmt == "kv:int8":
+        return NATIVE, "int8 KV blocks with per-token, per-head scales; dequantized in attention"
+    return UNCHECKED, f"{fmt!r} is not in the capability table"
+
+
+def _cuda_support(fmt: str, cap: tuple[int, int]) -> tuple[str, str]:
+    sm = cap[0] * 10 + cap[1]
+    if fmt == "bfloat16":
+        return (NATIVE, "bf16 tensor cores") if sm >= 80 else \
+            (EMULATED, f"sm_{sm} has no bf16 tensor cores; use --dtype float16 (bf16 is several times slower)")
+    if fmt == "float16":
+        return NATIVE, "fp16 tensor cores"
+    if fmt == "int8":
+        return EMULATED, "weight-only int8 dequantized to the compute dtype per matmul (no int8 GEMM kernel used)"
+    if fmt == "int4":
+        return EMULATED, "weight-only int4 dequantized to the compute dtype per matmul (tinygemm not wired yet)"
+    if fmt == "fp8":
+        if sm >= 89:
+            return NATIVE, "e4m3 weights, per-channel scales, torch._scaled_mm; untested here"
+        return UNSUPPORTED, (f"fp8 matmuls need sm_89+ (Ada/Hopper), this GPU is sm_{sm}; use --quantization int8 "
+                             "or int4")
+    if fmt == "kv:int8":
+        return NATIVE, "int8 KV blocks with per-token, per-head scales; dequantized in attention"
+    if fmt == "kv:fp8":
+        return UNSUPPORTED, "an fp8 KV cache is not built yet; use --kv-cache-dtype int8"
+    return UNCHECKED, f"{fmt!r} is not in the capability table"
+
+
+def check_formats(device: torch.device, dtype: torch.dtype, quantization: str | None,
+                  kv_cache_dtype: str, flags: frozenset[str] | None = None,
+                  capability: tuple[int, int] | None = None) -> list[FormatSupport]:
+    """Every format this configuration computes in; refuses an unsupported one (naming device, format and what
+    would work), warns once per emulated one. Runs before any weight is read."""
+    from llmrt.errors import UnsupportedError
+
+    fmts = []
+    if dtype != torch.float32:
+        fmts.append(str(dtype).replace("torch.", ""))
+    if quantization:
+        fmts.append(quantization)
+    if kv_cache_dtype != "auto":
+        fmts.append(f"kv:{kv_cache_dtype}")
+    out = [format_support(device, f, flags, capability) for f in fmts]
+    for s in out:
+        if s.status == UNSUPPORTED:
+            param = "kv_cache_dtype" if s.format.startswith("kv:") else \
+                ("quantization" if s.format == quantization else "dtype")
+            raise UnsupportedError(f"{s.format} is not supported on {s.device}: {s.detail}", param=param)
+        if s.status == EMULATED:
+            _warn_once(f"{s.format} on {s.device} is emulated: {s.detail}")
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    import logging
+
+    logging.getLogger(__name__).warning(message)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmrt.config import CacheConfig, SchedulerConfig, context_limit, parse_dtype
+from llmrt.config import QUANT_GROUP_SIZES, CacheConfig, ModelConfig, SchedulerConfig, context_limit, parse_dtype
 from llmrt.engine_args import default_of, parse_bytes
 from llmrt.engine.memory_plan import MemoryPlan, plan_memory
 from llmrt.errors import InvalidRequestError, ModelLoadError
@@ -23,6 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight and compute dtype; auto takes the config's (default: auto)")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="KV-cache dtype (default: the weight dtype)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
+                   help="weight-only quantization of the decoder layers, as `serve` (default: none)")
+    p.add_argument("--quant-group-size", type=int, default=default_of(ModelConfig, "quant_group_size"),
+                   choices=list(QUANT_GROUP_SIZES), help="int4 group size (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", default=default_of(CacheConfig, "kv_cache_dtype"), choices=["auto", "int8"],
+                   help="KV-cache storage, as `serve`: auto (--kv-dtype) or int8 with per-token scales "
+                        "(default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the model is split over (default: 1)")
     p.add_argument("--context", default="1024,4096,32768",
                    help="comma-separated context lengths to report capacity at (default: 1024,4096,32768)")
@@ -64,11 +71,30 @@ def build_plan(args: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     plan = plan_memory(hf, memory_bytes=args.memory, dtype=dtype, kv_dtype=kv_dtype, tp=args.tp,
                        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, max_model_len=limit,
-                       utilization=args.gpu_memory_utilization, contexts=contexts)
+                       utilization=args.gpu_memory_utilization, contexts=contexts,
+                       quantization=args.quantization, quant_group_size=args.quant_group_size,
+                       kv_cache_dtype=args.kv_cache_dtype)
     settings = dict(model=args.model, architecture=(hf.get("architectures") or [""])[0], memory_bytes=args.memory,
                     utilization=args.gpu_memory_utilization, dtype=str(dtype).replace("torch.", ""),
-                    kv_dtype=str(kv_dtype).replace("torch.", ""), tp=args.tp, max_model_len=limit)
+                    kv_dtype=str(kv_dtype).replace("torch.", ""), tp=args.tp, max_model_len=limit,
+                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                    formats_here=[f.as_dict() for f in formats_on_this_machine(dtype, args.quantization,
+                                                                               args.kv_cache_dtype)])
     return plan, settings
+
+
+def formats_on_this_machine(dtype: Any, quantization: Any, kv_cache_dtype: str) -> list[Any]:
+    """How this machine's device would compute the planned formats (reported, never refused: a plan may be for
+    another machine)."""
+    import torch
+
+    from llmrt.hardware import format_support
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fmts = [str(dtype).replace("torch.", "")] if dtype != torch.float32 else []
+    fmts += [quantization] if quantization else []
+    fmts += [f"kv:{kv_cache_dtype}"] if kv_cache_dtype != "auto" else []
+    return [format_support(device, f) for f in fmts]
 
 
 def verdict(plan: MemoryPlan, max_model_len: int) -> list[str]:
@@ -98,12 +124,14 @@ def run(args: argparse.Namespace) -> int:
     usable = int(args.memory * args.gpu_memory_utilization)
     rows = [
         {"item": "device memory x utilization", "GiB": gib(usable), "detail": f"{args.memory} B x {args.gpu_memory_utilization}"},
-        {"item": "weights", "GiB": gib(plan.weights_bytes), "detail": f"per rank, tp={args.tp}, {settings['dtype']}"},
+        {"item": "weights", "GiB": gib(plan.weights_bytes),
+         "detail": f"per rank, tp={args.tp}, {settings['dtype']}"
+                   + (f", decoder layers {args.quantization}" if args.quantization else "")},
         {"item": "activation peak", "GiB": gib(plan.activation_peak_bytes),
          "detail": f"a step of {min(args.max_num_batched_tokens, settings['max_model_len'])} tokens (estimate)"},
         {"item": "KV cache", "GiB": gib(plan.kv_cache_bytes),
          "detail": f"{plan.num_blocks} blocks x {plan.block_size} tokens x {plan.kv_bytes_per_token} B/token "
-                   f"({settings['kv_dtype']}) = {plan.max_tokens} tokens"},
+                   f"({plan.kv_format}) = {plan.max_tokens} tokens"},
     ]
     print(f"{settings['architecture']} ({settings['model']})")
     print(format_table(rows, ["item", "GiB", "detail"]))
@@ -112,4 +140,6 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(cap, ["context", "max concurrent sequences"]))
     print()
     print("\n".join(verdict(plan, settings["max_model_len"])))
+    for f in settings["formats_here"]:
+        print(f"on this machine's {f['device']}: {f['format']} is {f['status']}: {f['detail']}")
     return 0

@@ -150,6 +150,10 @@ def _byte_fallback_ids(hf: PreTrainedTokenizerBase) -> frozenset[int]:
 
 def load_tokenizer(path: str, chat_template: str | None = None) -> Tokenizer:
     """Loads the tokenizer of a local HF model dir; `chat_template` (a template or a file) overrides the model's."""
+    if str(path).endswith(".gguf") and os.path.isfile(path):
+        from llmrt.model.gguf_file import gguf_tokenizer
+
+        return Tokenizer(gguf_tokenizer(path), _read_chat_template(chat_template))
     if not os.path.isdir(path):
         raise ModelLoadError(f"tokenizer path {path!r} is not a directory")
     template = _read_chat_template(chat_template)

@@ -119,7 +119,7 @@ def test_a_new_attention_backend_plugs_in_without_touching_the_models(arch, chec
 def test_backend_selection(per_sequence_backend):
     cpu = torch.device("cpu")
     assert select_attention_backend("auto", cpu).name == "torch"  # the new one has the same priority, torch first
-    with pytest.raises(UnsupportedError, match="known: auto, test-per-sequence, torch"):
+    with pytest.raises(UnsupportedError, match="known: auto, batch_invariant, test-per-sequence, torch"):
         select_attention_backend("flash", cpu)
     with pytest.raises(UnsupportedError, match="does not run on cuda"):
         select_attention_backend(per_sequence_backend, torch.device("cuda"))

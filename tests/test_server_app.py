@@ -24,7 +24,9 @@ SCRIPT = " One day, a little girl named Lily went to the park. She saw a big tre
 
 
 class FakeEngine:
-    """AsyncLLM's interface; every sample 'generates' the tokens of SCRIPT, through the real OutputProcessor."""
+    """An EngineClient; every sample 'generates' the tokens of SCRIPT, through the real OutputProcessor."""
+
+    device = "cpu"
 
     def __init__(self) -> None:
         self.tokenizer = load_tokenizer(str(EMBEDDED))
@@ -79,6 +81,10 @@ class FakeEngine:
             if not finished:
                 self.closed.append(request_id)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
     async def abort(self, request_id: str) -> None:
         self.closed.append(request_id)
 
@@ -129,6 +135,18 @@ def _assert_error(resp, status: int, code: str, param: Optional[str], retryable:
     assert body["error"]["code"] == code and body["error"]["param"] == param, body
     assert body["retryable"] is retryable and body["error"]["message"] and body["error"]["type"]
     return body
+
+
+def test_the_fake_and_the_real_engine_are_engine_clients(engine):
+    from llmrt.config import EngineConfig
+    from llmrt.engine.async_llm import AsyncLLM
+    from llmrt.server.engine_client import EngineClient
+
+    assert isinstance(engine, EngineClient)
+    real = AsyncLLM(EngineConfig.create(None, dtype="float32"))  # not started: no engine-core process
+    assert isinstance(real, EngineClient)
+    assert real.vocab_size == real.tokenizer.vocab_size and real.device == "cpu"
+    assert not isinstance(object(), EngineClient)
 
 
 # -- shapes ------------------------------------------------------------------------------------------------

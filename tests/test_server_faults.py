@@ -220,7 +220,6 @@ def test_queued_request_past_its_timeout_gets_408(small_server):
         start = time.monotonic()
         r = _post(small_server, "/v1/completions", json={**_greedy(8), "prompt": "Lily", "timeout": 0.5})
         _assert_error(r, 408, "deadline_exceeded", None, True)
-        assert "queued" in r.json()["error"]["message"]
         assert time.monotonic() - start < 5
         results = [f.result(timeout=T) for f in long]
     assert all(x.status_code == 200 and x.json()["usage"]["completion_tokens"] == 200 for x in results)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from llmrt.attention.base import AttentionBackend, register_attention_backend
+from llmrt.attention.kv_quant import dequantize_kv, is_quantized, quantize_kv
 from llmrt.attention.metadata import CommonAttentionMetadata
 
 if TYPE_CHECKING:
@@ -98,10 +99,19 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: TorchAttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = layer.k_cache, layer.v_cache
-        heads, dim = layer.num_kv_heads, layer.head_dim
+        heads, stored = layer.num_kv_heads, k_cache.shape[-1]
         block_size = k_cache.shape[1]
-        k_cache.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        if is_quantized(k_cache):
+            kq, vq = quantize_kv(k), quantize_kv(v)
+            k_cache.view(-1, heads, stored).index_copy_(0, meta.slot_mapping, kq)
+            v_cache.view(-1, heads, stored).index_copy_(0, meta.slot_mapping, vq)
+            if meta.prefills:
+                # Fresh spans attend to the same rounded K/V a later read of the cache returns, so a prompt
+                # computes the same whether it is prefilled whole, in chunks, or found in the prefix cache.
+                k, v = dequantize_kv(kq, q.dtype), dequantize_kv(vq, q.dtype)
+        else:
+            k_cache.view(-1, heads, stored).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+            v_cache.view(-1, heads, stored).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty_like(q)
         d = meta.num_decodes
@@ -111,8 +121,8 @@ class TorchAttentionBackend(AttentionBackend):
             rows = slice(span.start, span.start + span.length)
             if span.has_prior_context:
                 idx = span.block_table
-                ks = k_cache.index_select(0, idx).view(-1, heads, dim)[: span.context_len]
-                vs = v_cache.index_select(0, idx).view(-1, heads, dim)[: span.context_len]
+                ks = _read(k_cache.index_select(0, idx).view(-1, heads, stored)[: span.context_len], q.dtype)
+                vs = _read(v_cache.index_select(0, idx).view(-1, heads, stored)[: span.context_len], q.dtype)
             else:
                 ks, vs = k[rows], v[rows]
             mask = meta.prefill_mask(i, layer.sliding_window)
@@ -132,11 +142,16 @@ class TorchAttentionBackend(AttentionBackend):
         tables = meta.decode_block_tables
         n, span = tables.shape[0], tables.shape[1] * block_size
         flat = tables.view(-1)
-        heads, dim = layer.num_kv_heads, layer.head_dim
+        heads, stored = layer.num_kv_heads, layer.k_cache.shape[-1]
         # index_select copies whole blocks; advanced indexing (cache[tables]) is several times slower on CPU.
-        k = layer.k_cache.index_select(0, flat).view(n, span, heads, dim).transpose(1, 2)
-        v = layer.v_cache.index_select(0, flat).view(n, span, heads, dim).transpose(1, 2)
+        k = _read(layer.k_cache.index_select(0, flat).view(n, span, heads, stored), q.dtype).transpose(1, 2)
+        v = _read(layer.v_cache.index_select(0, flat).view(n, span, heads, stored), q.dtype).transpose(1, 2)
         mask = meta.decode_mask(block_size, layer.sliding_window)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                            scale=layer.scale, enable_gqa=layer.gqa)
         return o.squeeze(2)
+
+
+def _read(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as `dtype` K/V (dequantized when the cache is int8)."""
+    return dequantize_kv(rows, dtype) if is_quantized(rows) else rows

@@ -1,4 +1,5 @@
-"""A streaming OpenAI-completions client that records when every token arrives, for serving benchmarks."""
+"""A streaming OpenAI client (completions and chat) that records when every token arrives, for benchmarks and
+`llmrt regress`."""
 from __future__ import annotations
 
 import json
@@ -25,6 +26,8 @@ class RequestResult:
     finish_reason: Optional[str] = None
     text: str = ""
     server_timing: Optional[dict[str, Any]] = None  # the response's `llmrt` extension object, when sent
+    # Per output token when logprobs were asked: {"token": text, "logprob": float, "top": {text: logprob}}.
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ttft(self) -> Optional[float]:
@@ -61,9 +64,16 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str
         # vLLM-style extras: fixed-length outputs make runs comparable across runtimes.
         body.update(ignore_eos=True, min_tokens=max_tokens)
     body.update(extra or {})
+    return await stream_request(client, base_url.rstrip("/") + "/completions", body, timeout=timeout)
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                         timeout: float = 600.0) -> RequestResult:
+    """POST a streaming completions or chat request body to `url` and time each chunk; never raises for HTTP or
+    stream errors."""
     result = RequestResult(start=time.perf_counter())
     try:
-        async with client.stream("POST", base_url.rstrip("/") + "/completions", json=body, timeout=timeout) as resp:
+        async with client.stream("POST", url, json=body, timeout=timeout) as resp:
             result.status = resp.status_code
             if resp.status_code != 200:
                 result.error = (await resp.aread()).decode(errors="replace")[:500]
@@ -88,9 +98,12 @@ def _apply_chunk(result: RequestResult, chunk: dict[str, Any], now: float) -> No
         result.error = json.dumps(chunk["error"])[:500]
         return
     for choice in chunk.get("choices") or []:
-        if choice.get("text"):
+        text = choice.get("text") or (choice.get("delta") or {}).get("content")
+        if text:
             result.token_times.append(now)
-            result.text += choice["text"]
+            result.text += text
+        if choice.get("logprobs"):
+            result.logprobs += _token_logprobs(choice["logprobs"])
         if choice.get("finish_reason"):
             result.finish_reason = choice["finish_reason"]
     usage = chunk.get("usage")
@@ -100,3 +113,13 @@ def _apply_chunk(result: RequestResult, chunk: dict[str, Any], now: float) -> No
         result.cached_tokens = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     if chunk.get("llmrt"):
         result.server_timing = chunk["llmrt"]
+
+
+def _token_logprobs(lp: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per-token entries from a completions (`tokens`/`token_logprobs`/`top_logprobs`) or chat (`content`) object."""
+    if "content" in lp:
+        return [{"token": e.get("token"), "logprob": e.get("logprob"),
+                 "top": {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []}} for e in lp["content"] or []]
+    tops = lp.get("top_logprobs") or []
+    return [{"token": tok, "logprob": val, "top": dict(tops[i] or {}) if i < len(tops) else {}}
+            for i, (tok, val) in enumerate(zip(lp.get("tokens") or [], lp.get("token_logprobs") or []))]

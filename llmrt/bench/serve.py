@@ -111,6 +111,8 @@ class Workload:
     prompt_format: str  # tokens | text
     token_range: tuple[int, int]
     seed: int
+    shared_prefix_len: int = 0  # request i starts with shared prefix number i % num_prefixes (a system prompt)
+    num_prefixes: int = 1
 
     def request(self, i: int) -> PlannedRequest:
         """The i-th request: a random prompt of a drawn length, and a drawn output length."""
@@ -120,7 +122,18 @@ class Workload:
             prompt: Any = [rng.randrange(*self.token_range) for _ in range(plen)]
         else:
             prompt = " ".join(rng.choice(_WORDS) for _ in range(plen))
+        if self.shared_prefix_len:
+            prefix = self.prefix(i % self.num_prefixes)
+            prompt = prefix + prompt if self.prompt_format == "tokens" else f"{prefix} {prompt}"
+            plen += self.shared_prefix_len
         return PlannedRequest(prompt, plen, olen)
+
+    def prefix(self, k: int) -> Any:
+        """Shared prefix number k: the same for every request that uses it."""
+        rng = random.Random(f"prefix-{self.seed}-{k}")
+        if self.prompt_format == "tokens":
+            return [rng.randrange(*self.token_range) for _ in range(self.shared_prefix_len)]
+        return " ".join(rng.choice(_WORDS) for _ in range(self.shared_prefix_len))
 
 
 # ------------------------------------------------------------------------------------------------------ running
@@ -328,6 +341,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-range", default="10,500", metavar="LO,HI",
                    help="random prompt token ids are drawn from [LO, HI) (default: 10,500, valid for any vocabulary "
                         "of at least 500)")
+    p.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
+                   help="start every prompt with one of --num-prefixes shared prefixes of N tokens (a system "
+                        "prompt; request i uses prefix i mod K), before its own --prompt-len tokens (default: 0)")
+    p.add_argument("--num-prefixes", type=int, default=1, metavar="K", help="distinct shared prefixes (default: 1)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT must be at most this")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT must be at most this")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals (default: 0)")
@@ -367,7 +384,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompt_lens, output_lens, token_range = _check(args)
     cfg = RunConfig(args.base_url, args.model, args.concurrency, args.request_rate, args.num_requests,
                     args.duration, args.seed, args.timeout)
-    workload = Workload(prompt_lens, output_lens, args.prompt_format, token_range, args.seed)
+    if args.shared_prefix_len < 0 or args.num_prefixes < 1:
+        raise SystemExit("error: --shared-prefix-len must be >= 0 and --num-prefixes >= 1")
+    workload = Workload(prompt_lens, output_lens, args.prompt_format, token_range, args.seed,
+                        args.shared_prefix_len, args.num_prefixes)
     load_start = load_average()
     pairs, start, end = asyncio.run(run_load(cfg, workload, progress=not args.no_progress))
     safe_model = args.model.replace("/", "_")
@@ -376,7 +396,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "name": name, "date": now_iso(), "base_url": args.base_url, "model": args.model,
         "config": {**asdict(cfg), "prompt_len": prompt_lens.spec, "output_len": output_lens.spec,
-                   "prompt_format": args.prompt_format, "token_range": list(token_range)},
+                   "prompt_format": args.prompt_format, "token_range": list(token_range),
+                   "shared_prefix_len": args.shared_prefix_len, "num_prefixes": args.num_prefixes},
         "summary": summarize(pairs, start, end, args.slo_ttft_ms, args.slo_tpot_ms),
         "throughput_over_time": throughput_series([r for _, r in pairs], start, end),
         "machine": machine_info("client"), "load_avg_1m": {"start": load_start, "end": load_average()},

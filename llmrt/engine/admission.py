@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from llmrt.engine.messages import EngineStats
-from llmrt.errors import CapacityExceededError
+from llmrt.errors import CapacityExceededError, DrainingError
 
 
 class AdmissionController:
@@ -21,6 +21,7 @@ class AdmissionController:
         self._unacknowledged: dict[str, int] = {}  # request id -> prompt tokens, sent but not yet taken in
         self._last_core_time: Optional[float] = None
         self._last_num_steps = 0
+        self.draining = False  # set by POST /admin/drain: refuse every new request, finish the admitted ones
 
     @property
     def num_unacknowledged(self) -> int:
@@ -28,7 +29,11 @@ class AdmissionController:
         return len(self._unacknowledged)
 
     def admit(self, stats: Optional[EngineStats], prompt_tokens: int) -> None:
-        """Raise CapacityExceededError if a request of `prompt_tokens` must not join the queue now."""
+        """Raise CapacityExceededError if a request of `prompt_tokens` must not join the queue now (DrainingError
+        while draining)."""
+        if self.draining:
+            raise DrainingError("this instance is draining: it finishes its admitted requests and takes no new "
+                                "ones; retry on another instance")
         waiting = (stats.num_waiting if stats else 0) + len(self._unacknowledged)
         queued_tokens = (stats.waiting_tokens if stats else 0) + sum(self._unacknowledged.values()) + prompt_tokens
         delay = queued_tokens / self.drain_tokens_per_s if self.drain_tokens_per_s > 0 else None

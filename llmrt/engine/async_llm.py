@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict
 from typing import Any, AsyncIterator, Optional, Union
 
-from llmrt.config import EngineConfig
+from llmrt.config import EngineConfig, ServerConfig
 from llmrt.engine.admission import AdmissionController
 from llmrt.engine.core import validate_request
 from llmrt.engine.core_process import run_engine_core
@@ -46,7 +46,8 @@ class AsyncLLM:
 
     def __init__(self, config: EngineConfig, *, tokenizer: Optional[str] = None, chat_template: Optional[str] = None,
                  max_waiting_requests: Optional[int] = None, max_queue_delay_ms: Optional[float] = None,
-                 health_step_timeout: float = 30.0, default_timeout: Optional[float] = None,
+                 health_step_timeout: float = ServerConfig.health_step_timeout,
+                 default_timeout: Optional[float] = None,
                  enable_fault_injection: bool = False):
         self.config = config
         self.tokenizer_path = tokenizer or config.model.model
@@ -67,6 +68,16 @@ class AsyncLLM:
         self._proc: Any = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stopping = threading.Event()
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: [0, vocab_size) (the model's, once the core has started)."""
+        return self.limits.vocab_size if self.limits is not None else self.tokenizer.vocab_size
+
+    @property
+    def device(self) -> str:
+        """The device the engine core runs the model on."""
+        return str(self.config.device)
 
     # -- life cycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -183,7 +194,7 @@ class AsyncLLM:
         return out
 
     async def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
-        """Test hook: stall the next step, crash the core, or fail the next step with out-of-memory."""
+        """Test hook: stall the next step, slow every later step, crash the core, or fail the next step with out-of-memory."""
         if not self.enable_fault_injection:
             raise UnsupportedError("fault injection is off (start the server with --enable-debug-endpoints)")
         if kind not in FAULT_KINDS:

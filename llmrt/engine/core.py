@@ -52,8 +52,10 @@ class EngineCore:
         self.config = config
         self.executor = executor if executor is not None else create_executor(config)
         self.memory = self.executor.initialize_cache()
-        # The extra key names what else shapes the KV besides the tokens (here: the weights and the KV dtype).
-        extra_key = f"{config.model.model}|{config.model.torch_dtype}".encode()
+        # The extra key names what else shapes the KV besides the tokens (the weights, their quantization, the KV
+        # dtype and its storage format).
+        m = config.model
+        extra_key = f"{m.model}|{m.torch_dtype}|{m.quantization}|{m.quant_group_size}|{config.cache.kv_cache_dtype}".encode()
         self.block_manager = BlockManager(self.memory.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, extra_key)
         host_pool = None

@@ -36,6 +36,7 @@ def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: in
         return
     outbox.put(CoreReady(core.limits(), core.memory))
     stall = 0.0
+    step_delay = 0.0  # the "slow" fault: a persistent extra delay per step (latency-regression tests)
     parent = os.getppid()
     while True:
         msgs = []
@@ -69,6 +70,8 @@ def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: in
                     os._exit(17)
                 if msg.kind == "stall":
                     stall = msg.seconds
+                if msg.kind == "slow":
+                    step_delay = msg.seconds
                 if msg.kind == "oom":
                     core.inject_oom_steps = 1
         if not core.has_unfinished_requests():
@@ -82,6 +85,8 @@ def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: in
             if outputs or acknowledged:  # like a long step: what arrives meanwhile joins the next one
                 outbox.put(StepResult(outputs, core.stats(), time.monotonic(), acknowledged))
             continue
+        if step_delay:
+            time.sleep(step_delay)
         try:
             outputs += core.step()
         except Exception:

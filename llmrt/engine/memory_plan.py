@@ -29,6 +29,7 @@ class MemoryPlan:
     block_size: int
     num_blocks: int
     contexts: tuple[int, ...] = field(default=DEFAULT_CONTEXTS)
+    kv_format: str = ""  # e.g. "bfloat16" or "int8 + float32 scale per token and head"
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -59,6 +60,7 @@ class MemoryPlan:
         return (f"memory: weights {self.weights_bytes / _MiB:.1f} MiB, activation peak "
                 f"{self.activation_peak_bytes / _MiB:.1f} MiB, KV cache {self.kv_cache_bytes / _MiB:.1f} MiB "
                 f"= {self.num_blocks} blocks x {self.block_size} tokens x {self.kv_bytes_per_token} B/token "
+                f"{'(' + self.kv_format + ') ' if self.kv_format else ''}"
                 f"(max {self.max_tokens} tokens); max concurrent sequences by context: {fits}")
 
     def as_dict(self) -> dict[str, Any]:
@@ -118,20 +120,40 @@ def estimate_activation_peak(hf_config: dict[str, Any], num_tokens: int, num_log
 def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dtype,
                 kv_dtype: Optional[torch.dtype] = None, tp: int = 1, block_size: int = 16,
                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: Optional[int] = None,
-                utilization: float = 1.0, contexts: tuple[int, ...] = DEFAULT_CONTEXTS) -> MemoryPlan:
+                utilization: float = 1.0, contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
+                quantization: Optional[str] = None, quant_group_size: int = 32,
+                kv_cache_dtype: str = "auto") -> MemoryPlan:
     """The per-device memory split for a model config on a device of `memory_bytes`, without any weights."""
+    from dataclasses import replace
+
+    from llmrt.attention.kv_quant import kv_bytes_per_token
     from llmrt.model.loader import build_model
+    from llmrt.model.quantization import get_quantization_config
 
     arch = (hf_config.get("architectures") or [""])[0]
-    model = build_model(hf_config, arch, dtype, dtype, "meta")
+    quant = get_quantization_config(quantization, {"group_size": quant_group_size})
+    model = build_model(hf_config, arch, dtype, dtype, "meta", quant)
     spec = model.kv_cache_spec()
     kv_heads = max(1, spec.num_kv_heads // tp)  # fewer KV heads than ranks: each rank keeps a replica
-    per_token = 2 * spec.num_layers * kv_heads * spec.head_dim * torch.empty((), dtype=kv_dtype or dtype).element_size()
-    weights = parameter_bytes(model) // tp
+    per_token = kv_bytes_per_token(replace(spec, num_kv_heads=kv_heads), kv_dtype or dtype, kv_cache_dtype)
+    weights = _planned_weight_bytes(model, quant) // tp
     limit = max_model_len or context_limit(hf_config)
     tokens = min(max_num_batched_tokens, limit)
     activation = estimate_activation_peak(hf_config, tokens, min(max_num_seqs, tokens), dtype, spec.num_kv_heads,
                                           spec.head_dim, tp)
     budget = kv_budget_bytes(memory_bytes, utilization, weights, activation)
     blocks = num_kv_blocks(budget, per_token, block_size)
-    return MemoryPlan(weights, activation, per_token, block_size, blocks, contexts)
+    fmt = str(kv_dtype or dtype).replace("torch.", "") if kv_cache_dtype == "auto" else \
+        f"{kv_cache_dtype} + float32 scale per token and head"
+    return MemoryPlan(weights, activation, per_token, block_size, blocks, contexts, kv_format=fmt)
+
+
+def _planned_weight_bytes(model: torch.nn.Module, quant: Any) -> int:
+    """Parameter bytes, with every quantized Linear's weight counted in its quantized size."""
+    from llmrt.model.layers.linear import Linear, UnquantizedLinearMethod
+
+    total = parameter_bytes(model)
+    for m in model.modules():
+        if isinstance(m, Linear) and type(m.method) is not UnquantizedLinearMethod and quant is not None:
+            total += quant.weight_bytes(m.out_features, m.in_features) - m.weight.numel() * m.weight.element_size()
+    return total

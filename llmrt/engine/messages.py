@@ -125,7 +125,7 @@ class FinishSequence:
 
 @dataclass
 class InjectFault:
-    """Test hook: stall the next step, crash the core, or fail the next step with out-of-memory."""
+    """Test hook: stall the next step, slow every step, crash the core, or fail the next step with out-of-memory."""
 
     kind: str  # one of FAULT_KINDS
     seconds: float = 0.0
@@ -136,7 +136,7 @@ class Shutdown:
     """Stop the core process."""
 
 
-FAULT_KINDS = ("stall", "crash", "oom")
+FAULT_KINDS = ("stall", "crash", "oom", "slow")  # slow: every later step sleeps `seconds` (0: off)
 CoreRequest = Union[AddRequest, AbortRequest, FinishSequence, InjectFault, Shutdown]
 
 

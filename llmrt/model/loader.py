@@ -5,7 +5,7 @@ import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -14,6 +14,7 @@ from tqdm import tqdm
 from llmrt.config import ModelConfig
 from llmrt.errors import ModelLoadError
 from llmrt.hardware import compute_dtype, native_half_max_rows
+from llmrt.model.gguf_file import gguf_tensors, is_gguf
 from llmrt.model.layers.linear import Linear
 from llmrt.model.models.base import CausalLM
 from llmrt.model.layers.weights import weight_loader_of
@@ -49,6 +50,18 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def checkpoint_tensors(path: Path, hf_config: dict) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(HF tensor name, a function reading it) for a safetensors directory or a GGUF file."""
+    if is_gguf(str(path)):
+        for name, tensor in gguf_tensors(str(path), hf_config):
+            yield name, (lambda t=tensor: t)
+        return
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                yield hf_name, (lambda n=hf_name: f.get_tensor(n))
+
+
 def build_model(hf_config: dict, arch: str, dtype: torch.dtype, compute: torch.dtype,
                 device: torch.device | str, quant_config: Optional[QuantizationConfig] = None) -> CausalLM:
     """Construct `arch`'s model with `dtype` parameters on `device`, unfilled ("meta" for sizes only)."""
@@ -61,7 +74,7 @@ def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
     """Build the model for `model_cfg` on `device` and fill it from the checkpoint."""
     arch = model_cfg.architecture
     dtype = model_cfg.torch_dtype
-    quant = get_quantization_config(model_cfg.quantization)
+    quant = get_quantization_config(model_cfg.quantization, {"group_size": model_cfg.quant_group_size})
     try:
         model = build_model(model_cfg.hf_config, arch, dtype, compute_dtype(device, dtype), device, quant)
     except KeyError as e:
@@ -106,25 +119,22 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
 
     loaded: set[tuple[str, int | None]] = set()
     unexpected: list[str] = []
-    files = checkpoint_files(model_dir)
     with tqdm(desc="loading weights", unit="tensor", disable=None, leave=False) as bar:
-        for path in files:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for hf_name in f.keys():
-                    bar.update(1)
-                    if hf_name.endswith(model.ignored_suffixes):
-                        continue
-                    name, shard = _target(model, hf_name)
-                    if name in tied or name not in params:
-                        if name not in tied:
-                            unexpected.append(hf_name)
-                        continue
-                    param = params[name]
-                    try:
-                        weight_loader_of(param)(param, model.transform_weight(hf_name, f.get_tensor(hf_name)), shard)
-                    except ValueError as e:
-                        raise ModelLoadError(f"tensor {hf_name!r} {e} (does config.json match the weights?)")
-                    loaded.add((name, shard))
+        for hf_name, get in checkpoint_tensors(model_dir, model.hf_config):
+            bar.update(1)
+            if hf_name.endswith(model.ignored_suffixes):
+                continue
+            name, shard = _target(model, hf_name)
+            if name in tied or name not in params:
+                if name not in tied:
+                    unexpected.append(hf_name)
+                continue
+            param = params[name]
+            try:
+                weight_loader_of(param)(param, model.transform_weight(hf_name, get()), shard)
+            except ValueError as e:
+                raise ModelLoadError(f"tensor {hf_name!r} {e} (does config.json match the weights?)")
+            loaded.add((name, shard))
     missing = sorted(expected - loaded, key=str)
     if missing:
         shown = ", ".join(f"{n}" + (f"[shard {s}]" if s is not None else "") for n, s in missing[:10])

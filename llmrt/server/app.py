@@ -8,13 +8,20 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
 import llmrt
+from llmrt.config import ServerConfig
 from llmrt.errors import InvalidRequestError
 from llmrt.server import protocol as P
-from llmrt.server import serving
+from llmrt.server import tokenizing
+from llmrt.server.auth import ApiKeyMiddleware
+from llmrt.server.chat import create_chat_completion
+from llmrt.server.completions import create_completion
+from llmrt.server.engine_client import EngineClient
 from llmrt.server.errors import install_exception_handlers
+from llmrt.server.instance import install_instance_routes
 from llmrt.server.middleware import MAX_BODY_BYTES, ServerMiddleware
 from llmrt.server.observability import install_observability
-from llmrt.server.serving import ServerState
+from llmrt.server.offload import Offloader
+from llmrt.server.state import ServerState
 from llmrt.structured.tool_parsers import select_tool_parser
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -34,21 +41,28 @@ def _streamed(chunk: type) -> dict[int | str, dict[str, Any]]:
             **_ERRORS}
 
 
-def build_app(engine: Any, args: Any = None) -> FastAPI:
-    """The server's app around a started engine (AsyncLLM). `args`: the serve flags (any may be missing)."""
+def build_app(engine: EngineClient, args: Any = None) -> FastAPI:
+    """The server's app around a started engine (AsyncLLM or another EngineClient). `args`: the serve flags
+    (any may be missing)."""
+    d = ServerConfig
     served = getattr(args, "served_model_name", None) or engine.model_name
     aliases = {engine.model_name, str(getattr(args, "model", None) or engine.model_name)} - {served}
     state = ServerState(engine=engine, model_name=served, aliases=frozenset(aliases),
                         debug=bool(getattr(args, "enable_debug_endpoints", False)),
                         default_timeout=getattr(args, "request_timeout", None),
                         tool_parser=select_tool_parser(getattr(args, "tool_call_parser", None),
-                                                       getattr(getattr(engine, "tokenizer", None), "chat_template", None)))
+                                                       engine.tokenizer.chat_template),
+                        max_request_tokens=getattr(args, "max_request_tokens", None) or d.max_request_tokens,
+                        offload=Offloader(getattr(args, "tokenizer_threads", None) or d.tokenizer_threads))
     app = FastAPI(title="llmrt", version=llmrt.__version__,
                   description="OpenAI-compatible API of llmrt. Every error body is "
-                              "`{\"error\": {message, type, param, code}, \"retryable\": bool}`.")
+                              "`{\"error\": {message, type, param, code, retryable}, \"retryable\": bool}`.")
     app.state.llmrt = state
     install_exception_handlers(app)
     metrics, _ = install_observability(app, state)
+    model_version = install_instance_routes(app, state, args)
+    app.add_middleware(ApiKeyMiddleware, api_key=getattr(args, "api_key", None),
+                       admin_api_key=getattr(args, "admin_api_key", None))
     app.add_middleware(ServerMiddleware, max_body_bytes=getattr(args, "max_body_bytes", None) or MAX_BODY_BYTES,
                        access_log=not getattr(args, "disable_access_log", False),
                        on_finish=metrics.observe_access_record)
@@ -56,44 +70,27 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=_streamed(P.CompletionStreamResponse),
               summary="Text completion (OpenAI legacy completions)")
     async def completions(req: P.CompletionRequest, request: Request) -> Any:
-        return await serving.create_completion(state, req, request)
+        return await create_completion(state, req, request)
 
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse,
               responses=_streamed(P.ChatCompletionStreamResponse), summary="Chat completion")
     async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Any:
-        return await serving.create_chat_completion(state, req, request)
+        return await create_chat_completion(state, req, request)
 
     @app.get("/v1/models", response_model=P.ModelList, summary="The served model")
     async def models() -> P.ModelList:
         return P.ModelList(data=[P.ModelCard(id=state.model_name, created=state.created,
                                              root=str(getattr(args, "model", None) or engine.model_name),
-                                             max_model_len=engine.max_model_len)])
+                                             max_model_len=engine.max_model_len, model_version=model_version)])
 
     @app.post("/tokenize", response_model=P.TokenizeResponse, responses=_ERRORS,
               summary="Token ids of a prompt, or of messages rendered with the chat template")
     async def tokenize(req: P.TokenizeRequest) -> P.TokenizeResponse:
-        state.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
-        if req.prompt is not None:
-            tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
-        else:
-            assert req.messages is not None
-            if not req.messages:
-                raise InvalidRequestError("messages: must not be empty", param="messages")
-            tokens = engine.tokenizer.apply_chat_template(serving.chat_messages(req.messages),
-                                                          req.add_generation_prompt is not False)
-        return P.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
+        return await tokenizing.tokenize(state, req)
 
     @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=_ERRORS, summary="Text of token ids")
     async def detokenize(req: P.DetokenizeRequest) -> P.DetokenizeResponse:
-        state.check_model(req.model)
-        vocab = engine.tokenizer.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"tokens: token id {bad[0]} is out of the vocabulary [0, {vocab})",
-                                      param="tokens")
-        return P.DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
+        return await tokenizing.detokenize(state, req)
 
     @app.get("/health", response_model=P.HealthResponse, response_model_exclude_none=True,
              responses={503: {"model": P.HealthResponse, "description": "the engine is dead or not stepping"}},
@@ -105,9 +102,11 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
         return JSONResponse(P.HealthResponse(status="unhealthy", reason=reason).model_dump(), status_code=503,
                             headers={"Cache-Control": "no-store"})
 
-    @app.get("/version", response_model=P.VersionResponse, summary="The llmrt version")
+    @app.get("/version", response_model=P.VersionResponse, summary="The llmrt version and the model version")
     async def version() -> P.VersionResponse:
-        return P.VersionResponse(version=llmrt.__version__)
+        config = getattr(engine, "config", None)
+        return P.VersionResponse(version=llmrt.__version__, model_version=model_version,
+                                 formats=config.formats_report() if hasattr(config, "formats_report") else None)
 
     if state.debug:
         @app.get("/debug/stats", summary="Engine figures (debug endpoints only)")

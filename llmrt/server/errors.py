@@ -24,9 +24,16 @@ def error_headers(e: LLMRTError) -> dict[str, str]:
     return {}
 
 
+class ErrorJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message quoting bad input (a lone surrogate, say) still encodes."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(e: LLMRTError) -> JSONResponse:
     """The HTTP response of an llmrt error: its status, OpenAI's body plus `retryable`, Retry-After if any."""
-    return JSONResponse(e.to_dict(), status_code=e.http_status, headers=error_headers(e))
+    return ErrorJSONResponse(e.to_dict(), status_code=e.http_status, headers=error_headers(e))
 
 
 def sse_error_event(e: LLMRTError) -> str:
@@ -67,8 +74,8 @@ def http_error(status: int, detail: Optional[str], method: str, path: str) -> di
     code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
     message = {404: f"no such endpoint: {method} {path}",
                405: f"method {method} is not allowed on {path}"}.get(status, detail or "bad request")
-    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code},
-            "retryable": False}
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code,
+                      "retryable": False}, "retryable": False}
 
 
 def install_exception_handlers(app: FastAPI) -> None:
@@ -87,7 +94,7 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(http_error(e.status_code, str(e.detail), request.method, request.url.path),
+        return ErrorJSONResponse(http_error(e.status_code, str(e.detail), request.method, request.url.path),
                             status_code=e.status_code, headers=getattr(e, "headers", None))
 
 

@@ -6,11 +6,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
 import threading
 from typing import Any, Iterator
+
+from llmrt.config import ServerConfig
+from llmrt.engine_args import default_of
 
 logger = logging.getLogger("llmrt.server")
 
@@ -27,23 +31,40 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="a tokenizer directory other than the model's")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) instead of the model's")
-    g.add_argument("--max-waiting-requests", type=int, default=None,
+    d = ServerConfig
+    g.add_argument("--max-waiting-requests", type=int, default=default_of(d, "max_waiting_requests"),
                    help="refuse new requests with 429 + Retry-After while this many wait (default: unbounded)")
-    g.add_argument("--max-queue-delay-ms", type=float, default=None,
+    g.add_argument("--max-queue-delay-ms", type=float, default=default_of(d, "max_queue_delay_ms"),
                    help="refuse new requests with 429 + Retry-After when the queue would delay them longer than "
                         "this, judged from the engine's recent drain rate (default: no limit)")
-    g.add_argument("--health-step-timeout", type=float, default=30.0,
+    g.add_argument("--health-step-timeout", type=float, default=default_of(d, "health_step_timeout"),
                    help="/health turns 503 when no engine step completes for this many seconds while requests "
-                        "are pending (default: 30)")
-    g.add_argument("--request-timeout", type=float, default=None,
+                        "are pending (default: %(default)s)")
+    g.add_argument("--request-timeout", type=float, default=default_of(d, "request_timeout"),
                    help="seconds a request may take unless it sets its own `timeout`; past it: 408 "
                         "deadline_exceeded (default: none)")
+    g.add_argument("--max-request-tokens", type=int, default=default_of(d, "max_request_tokens"),
+                   help="refuse (400) a request whose prompts hold more tokens than this, all prompts together; "
+                        "the body is also capped at 10 MiB (default: %(default)s)")
+    g.add_argument("--tokenizer-threads", type=int, default=default_of(d, "tokenizer_threads"),
+                   help="threads that tokenize prompts, render chat templates and check grammars, off the event "
+                        "loop, so /health, /metrics and streams never wait for them (default: CPU cores - 1, at most 4; here "
+                        "%(default)s)")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="how to read tool calls in a model's own output for tool_choice auto (default: the format "
                         "the chat template shows, if any; without one, auto is refused and required/named work)")
     g.add_argument("--enable-debug-endpoints", action="store_true",
-                   help="serve GET /debug/stats and POST /debug/fault (fault injection: stall, crash, oom); "
+                   help="serve GET /debug/stats and POST /debug/fault (fault injection: stall, slow, crash, oom); "
                         "for tests, never in production")
+    g.add_argument("--model-version", default=None,
+                   help="the version /version, /v1/models and /load report, which routers pin and canary by "
+                        "(default: a short hash of the config, the weights' metadata and the llmrt version)")
+    g.add_argument("--api-key", default=os.environ.get("LLMRT_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every route but /health (default: $LLMRT_API_KEY; "
+                        "unset: no key)")
+    g.add_argument("--admin-api-key", default=os.environ.get("LLMRT_ADMIN_API_KEY"),
+                   help="the key of POST /admin/drain and /admin/resume; unset, the admin routes do not exist "
+                        "(default: $LLMRT_ADMIN_API_KEY)")
     g.add_argument("--disable-access-log", action="store_true",
                    help="do not write the JSON access-log line per request (logger llmrt.access, to stderr; "
                         "successful polls of /metrics and /dashboard are never logged)")
@@ -137,7 +158,7 @@ def _print_banner(args: argparse.Namespace, engine: Any, port: int) -> None:
     name = args.served_model_name or engine.model_name
     body = json.dumps({"model": name, "prompt": "Once upon a time", "max_tokens": 32})
     print(f"llmrt serve: {name} (max_model_len {engine.max_model_len}) on {base}\n"
-          f"  OpenAI API at {base}/v1 (any api key), docs at {base}/docs\n"
+          f"  OpenAI API at {base}/v1 ({'Bearer --api-key' if getattr(args, 'api_key', None) else 'any api key'}), docs at {base}/docs\n"
           f"  try: curl {base}/v1/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
 
 

@@ -9,12 +9,13 @@ from typing import Any, Callable, Optional
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmrt.errors import InvalidRequestError, LLMRTError
+from llmrt.config import ServerConfig
+from llmrt.errors import InternalError, InvalidRequestError
 
 logger = logging.getLogger("llmrt.server")
 access_logger = logging.getLogger("llmrt.access")
 
-MAX_BODY_BYTES = 10 * 1024 * 1024
+MAX_BODY_BYTES = ServerConfig.max_body_bytes
 # An oversized body is read and dropped (so that the client, still sending, gets the answer rather than a
 # reset connection) up to this many bytes; past it the connection is simply closed.
 _MAX_DRAIN_BYTES = 64 * 1024 * 1024
@@ -61,11 +62,12 @@ class ServerMiddleware:
                 record["error"] = "invalid_request"
             else:
                 await self.app(scope, replay, send_wrapper)
-        except Exception as e:  # a bug: log it, answer 500 if still possible, keep serving
-            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+        except Exception:  # a bug: log it under the request id, answer a generic 500 if still possible, go on
+            logger.exception("unhandled error in %s %s (request id %s)", scope.get("method"), scope.get("path"),
+                             request_id)
             record["error"] = "internal_error"
             if not started:
-                err = LLMRTError(f"internal server error: {type(e).__name__}: {e}")
+                err = InternalError(request_id)
                 await _send_json(send_wrapper, err.http_status, err.to_dict())
         finally:
             record["duration_s"] = round(time.monotonic() - start, 6)
@@ -146,7 +148,7 @@ async def _refuse(send: Send, message: str) -> None:
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
-    data = json.dumps(body).encode()
+    data = json.dumps(body).encode()  # ASCII-escaped: any text can be sent
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data, "more_body": False})

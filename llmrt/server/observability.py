@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from importlib import resources
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
@@ -10,25 +10,17 @@ from fastapi.staticfiles import StaticFiles
 
 from llmrt.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 from llmrt.metrics.timeline import Timeline
-from llmrt.server.serving import ServerState
+from llmrt.server.state import ServerState
 
 DASHBOARD_DIR = resources.files("llmrt") / "data" / "dashboard"
-
-
-def _engine_stats(engine: Any) -> Optional[dict[str, Any]]:
-    stats = getattr(engine, "stats", None)
-    return stats() if callable(stats) else None
 
 
 def install_observability(app: FastAPI, state: ServerState) -> tuple[ServerMetrics, Timeline]:
     """Create the server's metrics and dashboard timeline, feed them every finished request, add the routes."""
     engine = state.engine
-    config = getattr(engine, "config", None)
-    metrics = ServerMetrics(state.model_name, int(getattr(engine, "max_model_len", 0) or 0),
-                            lambda: _engine_stats(engine),
-                            engine_pid=lambda: (_engine_stats(engine) or {}).get("engine_pid"),
-                            device=str(getattr(config, "device", "cpu")))
-    timeline = Timeline(lambda: _engine_stats(engine))
+    metrics = ServerMetrics(state.model_name, int(engine.max_model_len), lambda: dict(engine.stats()),
+                            engine_pid=lambda: engine.stats().get("engine_pid"), device=engine.device)
+    timeline = Timeline(lambda: dict(engine.stats()))
     state.observers += [metrics.observe_request, timeline.observe_request]
     app.state.metrics, app.state.timeline = metrics, timeline
 

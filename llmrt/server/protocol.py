@@ -23,8 +23,10 @@ class _Response(BaseModel):
 class ErrorInfo(_Response):
     message: str
     type: str
-    param: Optional[str] = None
+    param: Optional[str] = Field(None, description="the request field at fault, e.g. `messages[0].content`")
     code: str
+    retryable: bool = Field(..., description="whether the same request can succeed later (or elsewhere); the "
+                                             "same value as the body's top-level `retryable`")
 
 
 class ErrorResponse(_Response):
@@ -330,6 +332,7 @@ class ModelCard(_Response):
     owned_by: str = "llmrt"
     root: Optional[str] = None
     max_model_len: Optional[int] = None
+    model_version: Optional[str] = None  # --model-version, or a hash of the checkpoint and llmrt's version
 
 
 class ModelList(_Response):
@@ -369,13 +372,16 @@ class HealthResponse(_Response):
 
 class VersionResponse(_Response):
     version: str
+    model_version: Optional[str] = None
+    formats: Optional[dict[str, Any]] = Field(None, description="weight/KV formats and how the device computes them")
 
 
 class FaultRequest(_Request):
     """POST /debug/fault (debug endpoints only)."""
 
-    kind: Literal["stall", "crash", "oom"]
-    seconds: Optional[float] = Field(0.0, description="for stall: how long the next engine step sleeps")
+    kind: Literal["stall", "crash", "oom", "slow"]
+    seconds: Optional[float] = Field(0.0, description="for stall: how long the next engine step sleeps; for slow: "
+                                                      "how long every later step sleeps (0: off)")
 
 
 class FaultResponse(_Response):

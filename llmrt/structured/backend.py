@@ -43,8 +43,26 @@ def json_schema_grammar(schema_text: str, strict_mode: bool = True) -> xgr.Gramm
     return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
 
 
+# Constraints validate_structured passed: the server checks them on a worker thread, and AsyncLLM.generate
+# checks them again on the event loop, where a second compile of a large schema would stall the loop.
+_validated: dict[tuple[str, str], None] = {}
+_validated_lock = threading.Lock()
+
+
 def validate_structured(spec: StructuredOutputs) -> None:
     """Check that a constraint compiles, without a vocabulary (fast; for the front end before queueing)."""
+    key = spec.key()
+    with _validated_lock:
+        if key in _validated:
+            return
+    _check_compiles(spec)
+    with _validated_lock:
+        if len(_validated) >= _CACHE_LIMIT:
+            _validated.pop(next(iter(_validated)))
+        _validated[key] = None
+
+
+def _check_compiles(spec: StructuredOutputs) -> None:
     kind = spec.kind
     try:
         if kind == "json":

@@ -41,6 +41,10 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(config.model, self.device)
         self.load_seconds = time.perf_counter() - start
+        if config.deterministic:
+            from llmrt.model.layers.batch_invariant import make_batch_invariant
+
+            make_batch_invariant(self.model)
         self.attn_backend = select_attention_backend(config.attention_backend, self.device)
         self.block_size = config.cache.block_size
         self.vocab_size = int(config.model.hf_config["vocab_size"] if "vocab_size" in config.model.hf_config

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from llmrt.attention.kv_quant import allocate_kv, kv_bytes_per_token
 from llmrt.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from llmrt.engine.memory_plan import MemoryPlan, kv_budget_bytes, num_kv_blocks
 from llmrt.engine.step import ModelRunnerOutput, SchedulerOutput
@@ -31,6 +32,7 @@ class Worker:
         self.model_runner = ModelRunner(config, self.device)
         self.block_size = config.cache.block_size
         self.kv_dtype = config.model.torch_dtype
+        self.kv_cache_dtype = config.cache.kv_cache_dtype  # auto (the model dtype) | int8
         self.kv_caches: KVCache = []
         self.host_cache: KVCache = []  # swap space, same layout in host memory
         self.memory: Optional[MemoryPlan] = None
@@ -43,7 +45,7 @@ class Worker:
         weights = sum(r.weights_bytes() for r in self._kv_runners)
         activation = runner.profile_activation_peak(lambda n: self._allocate(n, runner))
         # A draft model's KV shares the target's blocks: each block holds both.
-        per_token = sum(r.kv_spec.bytes_per_token(self.kv_dtype) for r in self._kv_runners)
+        per_token = sum(self._bytes_per_token(r) for r in self._kv_runners)
         block_bytes = per_token * self.block_size
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
@@ -68,7 +70,8 @@ class Worker:
             self.kv_caches += caches
         max_len = int(self.config.model.max_model_len)
         contexts = tuple(c for c in (1024, 4096, 16384) if c < max_len) + (max_len,)
-        self.memory = MemoryPlan(weights, activation, per_token, self.block_size, num_blocks, contexts)
+        self.memory = MemoryPlan(weights, activation, per_token, self.block_size, num_blocks, contexts,
+                                 kv_format=self._kv_format_name())
         logger.info(self.memory.describe())
         return self.memory
 
@@ -78,20 +81,23 @@ class Worker:
         draft = getattr(self.model_runner.proposer, "runner", None)
         return [self.model_runner] + ([draft] if draft is not None else [])
 
+    def _bytes_per_token(self, runner: ModelRunner) -> int:
+        return kv_bytes_per_token(runner.kv_spec, self.kv_dtype, self.kv_cache_dtype)
+
+    def _kv_format_name(self) -> str:
+        if self.kv_cache_dtype == "auto":
+            return str(self.kv_dtype).replace("torch.", "")
+        return f"{self.kv_cache_dtype} + float32 scale per token and head"
+
     def _allocate(self, num_blocks: int, runner: ModelRunner, device: Optional[torch.device] = None,
                   pin: bool = False) -> KVCache:
-        spec = runner.kv_spec
-        shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        if device is not None:  # host swap pool: untouched pages cost nothing until a block is swapped out
-            return [(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin),
-                     torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin)) for _ in range(spec.num_layers)]
-        # Zeroed, not empty: padded decode reads touch unwritten slots, and 0 * NaN would poison the output.
-        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(spec.num_layers)]
+        # The host swap pool is torch.empty: untouched pages cost nothing until a block is swapped out.
+        return allocate_kv(runner.kv_spec, num_blocks, self.block_size, self.kv_dtype, self.kv_cache_dtype,
+                           self.device, host=device is not None, pin=pin)
 
     def initialize_host_cache(self, swap_bytes: int) -> int:
         """Allocate the host-memory pool swapped-out KV blocks go to (pinned on CUDA); return its block count."""
-        per_block = sum(r.kv_spec.bytes_per_token(self.kv_dtype) for r in self._kv_runners) * self.block_size
+        per_block = sum(self._bytes_per_token(r) for r in self._kv_runners) * self.block_size
         num = swap_bytes // per_block
         pin = self.device.type == "cuda"
         self.host_cache = [c for r in self._kv_runners for c in self._allocate(num, r, torch.device("cpu"), pin)]

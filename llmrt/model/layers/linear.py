@@ -86,6 +86,7 @@ class Linear(nn.Module):
         self.out_features = sum(output_sizes)
         self.compute_dtype = compute_dtype
         self.native_max_rows = 0  # see hardware.native_half_max_rows; set by the loader for the device
+        self.row_tile = 0  # > 0: --deterministic, matmuls on fixed-size row tiles (model/layers/batch_invariant.py)
         self.method: LinearMethod = quant_config.linear_method(self) if quant_config else UnquantizedLinearMethod()
         self.method.create_weights(self, in_features, self.out_features, bias)
 
@@ -100,4 +101,8 @@ class Linear(nn.Module):
         copy_checked(target, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_tile:
+            from llmrt.model.layers.batch_invariant import tiled_apply
+
+            return tiled_apply(self, x, self.row_tile)
         return self.method.apply(self, x)

@@ -17,6 +17,10 @@ class QuantizationConfig(ABC):
     def linear_method(self, layer: "Linear") -> "LinearMethod":
         """The method that creates and applies `layer`'s weights."""
 
+    def weight_bytes(self, out_features: int, in_features: int) -> int:
+        """Bytes one [out, in] weight takes once quantized, scales included (for `llmrt plan`)."""
+        raise NotImplementedError
+
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "QuantizationConfig":
         """Build from the engine options (and a checkpoint's quantization_config, when it has one)."""

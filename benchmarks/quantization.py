@@ -1,0 +1,79 @@
+"""Quantization benchmark: the random 110m Llama, single-stream TPOT and batch throughput for fp32, bf16, int8,
+int4 (and int8 KV), weights and KV memory. All configurations live in one process and alternate rounds; best-of.
+
+Run: PYTHONPATH=. python benchmarks/quantization.py [--rounds 3]  -> benchmarks/quantization.json + .md
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from llmrt.bench.random_model import build_random_llama, default_cache_dir, is_complete
+from llmrt.bench.report import load_average, machine_info, now_iso, write_results
+from llmrt.engine.llm import LLM
+from llmrt.sampling_params import SamplingParams
+
+CONFIGS = {  # label -> LLM options
+    "fp32": dict(dtype="float32"),
+    "bf16": dict(dtype="bfloat16"),
+    "int8": dict(dtype="float32", quantization="int8"),
+    "int4 g32": dict(dtype="float32", quantization="int4", quant_group_size=32),
+    "bf16 + kv int8": dict(dtype="bfloat16", kv_cache_dtype="int8"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args()
+    path = default_cache_dir() / "110m-float32"
+    if not is_complete(path):
+        build_random_llama("110m", str(path))
+    llms = {k: LLM(str(path), max_model_len=1024, kv_cache_memory=64 << 20, **v) for k, v in CONFIGS.items()}
+    prompt = list(range(10, 42))
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    many = SamplingParams(max_tokens=args.tokens + 1, temperature=0, ignore_eos=True)
+    best: dict[str, dict[str, float]] = {k: {"tpot_ms": float("inf"), "throughput_tok_s": 0.0} for k in llms}
+    loads = [load_average()]
+    for _ in range(args.rounds):
+        for label, llm in llms.items():
+            t = time.perf_counter()
+            llm.generate([prompt], one, use_tqdm=False)
+            t1 = time.perf_counter() - t
+            t = time.perf_counter()
+            llm.generate([prompt], many, use_tqdm=False)
+            tpot = (time.perf_counter() - t - t1) / args.tokens * 1e3
+            t = time.perf_counter()
+            outs = llm.generate([[p + i for p in prompt] for i in range(args.batch)], many, use_tqdm=False)
+            thr = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+            b = best[label]
+            b["tpot_ms"], b["throughput_tok_s"] = min(b["tpot_ms"], tpot), max(b["throughput_tok_s"], thr)
+            print(f"round: {label} TPOT {tpot:.1f} ms, batch {thr:.1f} tok/s, load {load_average()}", flush=True)
+        loads.append(load_average())
+    full = min(best["fp32"]["tpot_ms"], best["bf16"]["tpot_ms"])
+    rows = {}
+    for label, llm in llms.items():
+        m = llm.engine.memory
+        rows[label] = {**best[label], "tpot_vs_best_full": best[label]["tpot_ms"] / full,
+                       "weights_MiB": m.weights_bytes / (1 << 20), "kv_B_per_token": m.kv_bytes_per_token,
+                       "kv_MiB_at_1k_ctx": m.kv_bytes_per_token * 1024 / (1 << 20),
+                       "max_seqs_at_1k_in_64MiB": m.max_concurrent_sequences(1024)}
+    result = {"date": now_iso(), "machine": machine_info(), "load_average": loads, "rounds": args.rounds,
+              "tokens": args.tokens, "batch": args.batch, "results": rows, "dtype": "mixed"}
+    for label, r in rows.items():
+        print(f"{label:<16} TPOT {r['tpot_ms']:7.2f} ms ({r['tpot_vs_best_full']:.2f}x)  batch {r['throughput_tok_s']:7.1f} "
+              f"tok/s  weights {r['weights_MiB']:7.1f} MiB  KV {r['kv_B_per_token']} B/token  "
+              f"seqs@1k {r['max_seqs_at_1k_in_64MiB']}")
+    print("load average", loads)
+    for label, r in rows.items():
+        write_results(f"quantization-{label.replace(' ', '-').replace('+', '')}", result, table="quantization",
+                      summary={"config": label, "TPOT ms": round(r["tpot_ms"], 2),
+                               "vs best full": round(r["tpot_vs_best_full"], 2),
+                               "batch tok/s": round(r["throughput_tok_s"], 1), "weights MiB": round(r["weights_MiB"], 1),
+                               "KV B/token": r["kv_B_per_token"], "load": loads[-1]}, key=["config"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""`llmrt bench quality`: perplexity and teacher-forced top-1 agreement of a quantized model vs the unquantized one.
+
+Logits come from the engine's own model classes through the paged KV cache (prefill in chunks, so later chunks
+read earlier KV back from the cache: a quantized KV cache is exercised too).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from llmrt.attention import build_common_metadata, select_attention_backend
+from llmrt.attention.kv_quant import allocate_kv
+from llmrt.config import ModelConfig
+from llmrt.engine.memory_plan import parameter_bytes
+from llmrt.model.loader import load_model
+
+DEFAULT_TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with "
+                "her friends. One day, she saw a big red ball under a tree. She wanted to play with it, so she ran "
+                "to get it. But the ball was stuck. Lily tried to pull it, but it would not move. Her mom came and "
+                "helped her. Together they pulled and pulled, and the ball came out. Lily was very happy and said "
+                "thank you to her mom. They played with the ball all day long.")
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model_cfg: ModelConfig, tokens: list[int], kv_cache_dtype: str = "auto",
+                          block_size: int = 4, chunk: int = 16) -> tuple[torch.Tensor, int]:
+    """(float32 logits at every position of `tokens`, weight bytes) for `model_cfg`, prefilled in chunks."""
+    device = torch.device("cpu")
+    model = load_model(model_cfg, device)
+    spec = model.kv_cache_spec()
+    backend = select_attention_backend("torch", device)
+    blocks = -(-len(tokens) // block_size)
+    caches = allocate_kv(spec, blocks, block_size, model_cfg.torch_dtype, kv_cache_dtype, device)
+    for layer, (k, v) in zip(model.attention_layers(), caches):
+        layer.bind(k, v, backend)
+    table = list(range(blocks))
+    out = []
+    for start in range(0, len(tokens), chunk):
+        ids = tokens[start:start + chunk]
+        pos = torch.arange(start, start + len(ids))
+        common = build_common_metadata([table], [len(ids)], [start + len(ids)], pos, 0, block_size, device)
+        out.append(model.compute_logits(model(torch.tensor(ids), pos, backend.build_metadata(common))))
+    return torch.cat(out).float(), parameter_bytes(model)
+
+
+@dataclass
+class QualityReport:
+    """How far a configuration's logits are from the reference's on the same tokens."""
+
+    label: str
+    perplexity: float
+    top1_agreement: float  # fraction of positions whose argmax equals the reference's
+    max_abs_logit_error: float
+    rel_logit_error: float  # max |error| over the reference's max |logit|
+    weights_bytes: int
+    seconds: float
+
+
+def perplexity(logits: torch.Tensor, tokens: list[int]) -> float:
+    """exp(mean NLL of each next token)."""
+    target = torch.tensor(tokens[1:])
+    nll = torch.nn.functional.cross_entropy(logits[:-1], target)
+    return float(torch.exp(nll))
+
+
+def compare(label: str, logits: torch.Tensor, ref: torch.Tensor, tokens: list[int], weights: int,
+            seconds: float) -> QualityReport:
+    """The report of `logits` against `ref`."""
+    err = (logits - ref).abs().max().item()
+    return QualityReport(label, perplexity(logits, tokens), float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
+                         err, err / max(ref.abs().max().item(), 1e-12), weights, seconds)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `llmrt bench quality`."""
+    p.add_argument("model", nargs="?", default="", help="model directory (default: the embedded stories260K)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", action="append", choices=["int8", "int4"], default=None,
+                   help="a configuration to measure (repeatable; default: int8 and int4)")
+    p.add_argument("--quant-group-size", type=int, default=32, choices=[32, 64, 128])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="also for the quantized runs")
+    p.add_argument("--text", default=None, help="a text file to score (default: a built-in short story)")
+    p.add_argument("--max-tokens", type=int, default=512, help="score at most this many tokens")
+    p.add_argument("--output", default=None, help="write the reports as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Score the unquantized model and each quantized configuration on the same tokens."""
+    from llmrt.tokenizer import load_tokenizer
+
+    base = ModelConfig(args.model, dtype=args.dtype)
+    text = Path(args.text).read_text() if args.text else DEFAULT_TEXT
+    tokens = load_tokenizer(base.model).encode(text)[: min(args.max_tokens, int(base.max_model_len))]
+    t = time.perf_counter()
+    ref, ref_bytes = teacher_forced_logits(base, tokens)
+    reports = [compare("unquantized", ref, ref, tokens, ref_bytes, time.perf_counter() - t)]
+    for q in args.quantization or ["int8", "int4"]:
+        cfg = ModelConfig(args.model, dtype=args.dtype, quantization=q, quant_group_size=args.quant_group_size)
+        t = time.perf_counter()
+        logits, nbytes = teacher_forced_logits(cfg, tokens, args.kv_cache_dtype)
+        label = q + (f" g{args.quant_group_size}" if q == "int4" else "") + \
+            (f" kv {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
+        reports.append(compare(label, logits, ref, tokens, nbytes, time.perf_counter() - t))
+    base_ppl = reports[0].perplexity
+    print(f"{base.model}: {len(tokens)} tokens")
+    print(f"{'config':<22} {'perplexity':>10} {'ppl +%':>7} {'top-1 agree':>11} {'max |dlogit|':>12} {'weights MiB':>11}")
+    for r in reports:
+        print(f"{r.label:<22} {r.perplexity:>10.4f} {100 * (r.perplexity / base_ppl - 1):>7.2f} "
+              f"{r.top1_agreement:>11.4f} {r.max_abs_logit_error:>12.4f} {r.weights_bytes / (1 << 20):>11.2f}")
+    if args.output:
+        Path(args.output).write_text(json.dumps({"model": base.model, "tokens": len(tokens),
+                                                 "reports": [asdict(r) for r in reports]}, indent=2))
+    return 0
+
+
+def quality_of(model_dir: str, tokens: list[int], quantization: Optional[str], kv_cache_dtype: str = "auto",
+               group_size: int = 32, ref: Optional[torch.Tensor] = None) -> QualityReport:
+    """One configuration against the unquantized float32 model (or `ref`), for tests and scripts."""
+    if ref is None:
+        ref, _ = teacher_forced_logits(ModelConfig(model_dir, dtype="float32"), tokens)
+    cfg = ModelConfig(model_dir, dtype="float32", quantization=quantization, quant_group_size=group_size)
+    t = time.perf_counter()
+    logits, nbytes = teacher_forced_logits(cfg, tokens, kv_cache_dtype)
+    return compare(str(quantization), logits, ref, tokens, nbytes, time.perf_counter() - t)
