@@ -134,30 +134,21 @@ def run_route(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, cfg: "RouterConfig") -> int:
-    import uvicorn
-
     from llmrt.router.app import build_router_app
-    from llmrt.server.launch import _bind, _uvicorn_server
+    from llmrt.server.launch import _bind, serve_on_socket
 
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 2
-    app = build_router_app(cfg)
-    server = _uvicorn_server(uvicorn.Config(app, access_log=False, log_config=None, lifespan="on",
-                                            timeout_graceful_shutdown=5,
-                                            log_level=logging.getLogger().getEffectiveLevel()))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started:
-        port = sock.getsockname()[1]
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+
+    def banner(port: int) -> None:
         print(f"llmrt route: {len(cfg.backends)} backends, policy {cfg.policy} on http://{host}:{port}\n"
               f"  OpenAI API at http://{host}:{port}/v1; backends: {', '.join(cfg.backends)}", flush=True)
     try:
-        await task
+        await serve_on_socket(build_router_app(cfg), sock, "on", banner)
     finally:
         sock.close()
     return 0

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from llmrt.bench.client import RequestResult, stream_request
 from llmrt.bench.report import load_average, machine_info, now_iso
 from llmrt.errors import InvalidRequestError
+from llmrt.tools.jsonl import read_jsonl
 
 FORMAT_VERSION = 1
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
@@ -38,23 +39,11 @@ def load_workload(path: Optional[str], num_requests: int, seed: int, max_tokens:
     if path is None:
         return sample_workload(num_requests, seed, max_tokens)
     bodies = []
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise InvalidRequestError(f"cannot read the workload {path}: {e.strerror or e}", param="workload") from None
-    for k, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            body = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"{path}:{k}: not JSON ({e.msg})", param="workload") from None
+    for k, body in read_jsonl(path, "workload"):
         if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
             raise InvalidRequestError(f"{path}:{k}: expected a completions body (`prompt`) or a chat body "
                                       "(`messages`)", param="workload")
         bodies.append(body)
-    if not bodies:
-        raise InvalidRequestError(f"{path}: no requests in the file", param="workload")
     return bodies
 
 

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from llmrt.errors import InvalidRequestError, LLMRTError
 from llmrt.tokenizer import Tokenizer, load_tokenizer
+from llmrt.tools.jsonl import read_jsonl
 
 PARTS = ("system", "tools", "history", "last_message", "template")
 MIN_REPEAT_TOKENS = 16  # repeated contents shorter than this are not worth a prefix-cache finding
@@ -226,24 +227,12 @@ def _common_prefix(texts: list[str]) -> str:
 
 def load_requests(path: str) -> list[dict[str, Any]]:
     """OpenAI request bodies from a JSONL file (one per line; `{"body": {...}}` batch-API lines work too)."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise InvalidRequestError(f"cannot read {path}: {e.strerror or e}", param="requests") from None
     out = []
-    for k, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            body = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"{path}:{k}: not JSON ({e.msg})", param="requests") from None
+    for k, body in read_jsonl(path, "requests"):
         if isinstance(body, dict) and isinstance(body.get("body"), dict):
             body = body["body"]
         if not isinstance(body, dict) or ("prompt" not in body and "messages" not in body):
             raise InvalidRequestError(f"{path}:{k}: expected a request body with `messages` or `prompt`",
                                       param="requests")
         out.append(body)
-    if not out:
-        raise InvalidRequestError(f"{path}: no requests in the file", param="requests")
     return out
