@@ -15,7 +15,7 @@ from llmrt.errors import LLMRTError  # noqa: E402
 from llmrt.sampling_params import SamplingParams  # noqa: E402
 from tests.conftest import ARCH_CONFIGS, EMBEDDED, build_checkpoint  # noqa: E402
 
-SHARED_GGUF = Path("/work/shared/models/stories260K/gguf/stories260K.gguf")
+SHARED_GGUF = Path(__file__).parent / "fixtures" / "gguf" / "stories260K.gguf"  # llama.cpp's conversion
 HF_TO_GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
@@ -116,7 +116,6 @@ def test_gguf_writer_files_generate_like_ggufs_dequantized_weights(qname, llama_
     assert got == want
 
 
-@pytest.mark.skipif(not SHARED_GGUF.is_file(), reason="the shared llama.cpp conversion is not on this machine")
 def test_llama_cpp_stories260k_tells_the_embedded_story():
     gg = LLM(str(SHARED_GGUF))
     ref = LLM(str(EMBEDDED))
