@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmrt.bench import report, throughput
+from llmrt.bench import hf_baseline, report, throughput, timing
+from llmrt.bench import prompts as bench_prompts
 from llmrt.bench.random_model import build_random_llama, cached_random_llama
 from llmrt.table import format_table
 
@@ -57,11 +58,11 @@ def test_unknown_size_rejected(tmp_path: Path) -> None:
 
 
 def test_prompts_reproducible_and_avoid_special_tokens(tiny: str) -> None:
-    pool = throughput.vocab_pool(tiny)
+    pool = bench_prompts.vocab_pool(tiny)
     assert not {0, 1, 2} & set(pool.tolist()) and pool.numel() == 997
-    a = throughput.make_prompts(pool, 20, 5, 9, seed=3)
-    assert a == throughput.make_prompts(pool, 20, 5, 9, seed=3)
-    assert a != throughput.make_prompts(pool, 20, 5, 9, seed=4)
+    a = bench_prompts.make_prompts(pool, 20, 5, 9, seed=3)
+    assert a == bench_prompts.make_prompts(pool, 20, 5, 9, seed=3)
+    assert a != bench_prompts.make_prompts(pool, 20, 5, 9, seed=4)
     assert all(5 <= len(p) <= 9 for p in a)
     assert all(3 <= t < 1000 for p in a for t in p)
 
@@ -70,7 +71,7 @@ def test_count_params_matches_hf(tiny: str) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny)
-    assert throughput.count_params(tiny) == sum(p.numel() for p in model.parameters())
+    assert bench_prompts.count_params(tiny) == sum(p.numel() for p in model.parameters())
 
 
 def test_workload_quick_and_overrides() -> None:
@@ -95,7 +96,7 @@ def test_flag_defaults() -> None:
 
 
 def test_left_pad() -> None:
-    ids, mask = throughput.left_pad([[5, 6, 7], [8]], pad=0, device="cpu")
+    ids, mask = hf_baseline.left_pad([[5, 6, 7], [8]], pad=0, device="cpu")
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
@@ -103,21 +104,21 @@ def test_left_pad() -> None:
 def test_hf_half_on_tiny(tiny: str) -> None:
     w = throughput.Workload(num_prompts=5, min_prompt_len=4, max_prompt_len=12, output_len=6,
                             single_prompt_len=8, single_output_len=5)
-    pool = throughput.vocab_pool(tiny)
-    prompts = throughput.make_prompts(pool, w.num_prompts, w.min_prompt_len, w.max_prompt_len, 0)
-    model = throughput.load_hf(tiny, "float32", "cpu")
-    res = throughput.bench_hf(model, prompts, [2, 32], w, "cpu")
+    pool = bench_prompts.vocab_pool(tiny)
+    prompts = bench_prompts.make_prompts(pool, w.num_prompts, w.min_prompt_len, w.max_prompt_len, 0)
+    model = hf_baseline.load_hf(tiny, "float32", "cpu")
+    res = hf_baseline.bench_hf(model, prompts, [2, 32], w, "cpu")
     assert [r["batch_size"] for r in res["runs"]] == [2, 5]
     for r in res["runs"]:
         assert r["output_tokens"] == 5 * 6 and r["output_tokens_per_s"] > 0 and r["total_tokens_per_s"] > 0
     assert res["best_batch_size"] in (2, 5)
-    single = throughput.single_hf(model, prompts[0], w, "cpu")
+    single = hf_baseline.single_hf(model, prompts[0], w, "cpu")
     assert single["t_generate_n_s"] > 0 and single["t_generate_1_s"] > 0
 
 
 def test_compute_floor_positive(tiny: str) -> None:
-    cfg = throughput.model_config(tiny)
-    floor = throughput.compute_floor(cfg, "float32", "cpu", throughput.count_params(tiny))
+    cfg = bench_prompts.model_config(tiny)
+    floor = timing.compute_floor(cfg, "float32", "cpu", bench_prompts.count_params(tiny))
     assert floor["gemm_shape"] == [2048, 64, 128]
     assert floor["flops_per_s"] > 0 and floor["floor_tokens_per_s"] > 0
 

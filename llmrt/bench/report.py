@@ -5,6 +5,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -70,3 +71,8 @@ def write_results(name: str, result: dict[str, Any], out_dir: str = "benchmarks"
              f"Full data of the latest run: {latest}.")
     update_markdown(md_path, table, intro, row, cols, key=["cpu", "cores", "torch", "dtype", *key])
     return json_path, md_path
+
+
+def log(msg: str) -> None:
+    """Progress to stderr, so stdout keeps only the report."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)

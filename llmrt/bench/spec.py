@@ -19,8 +19,8 @@ import time
 from typing import Any, Optional
 
 from llmrt.bench import random_model
-from llmrt.bench.report import load_average, machine_info, now_iso, write_results
-from llmrt.bench.throughput import log, make_prompts, vocab_pool
+from llmrt.bench.report import load_average, log, machine_info, now_iso, write_results
+from llmrt.bench.prompts import make_prompts, vocab_pool
 from llmrt.table import format_table
 
 KV_BYTES = 512 << 20  # per engine of parts 2 and 3 (the 110m model: ~7k tokens; part 3 gets twice that)

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from llmrt.bench import random_model
-from llmrt.bench.report import load_average, machine_info, now_iso, write_results
+from llmrt.bench.report import load_average, log, machine_info, now_iso, write_results
 from llmrt.table import format_table
-from llmrt.bench.throughput import log, make_prompts, vocab_pool
+from llmrt.bench.prompts import make_prompts, vocab_pool
 
 REPO_LLAMA2_TOKENIZER = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "tokenizers" / "llama2"
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,11 +27,12 @@ from typing import Any, Optional, Sequence
 import torch
 
 from llmrt.bench import random_model
-from llmrt.hardware import compute_dtype
-from llmrt.bench.report import load_average, machine_info, now_iso, write_results
+from llmrt.bench.hf_baseline import bench_hf, hf_generate, load_hf, single_hf
+from llmrt.bench.prompts import count_params, make_prompts, model_config, vocab_pool
+from llmrt.bench.report import load_average, log, machine_info, now_iso, write_results
+from llmrt.bench.timing import DTYPES, compute_floor, rates
 from llmrt.table import format_table
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "under --cache-dir as <size>-<dtype> (dtype auto builds float32)")
     p.add_argument("--cache-dir", default=None,
                    help="where --random-model checkpoints are cached (default: ~/.cache/llmrt/random-models)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="weights and activations dtype for llmrt, HF and the GEMM probe "
                         "(auto: the checkpoint's dtype)")
     p.add_argument("--device", default="auto",
@@ -146,124 +146,6 @@ def resolve_device(name: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
-def log(msg: str) -> None:
-    """Progress to stderr, so stdout keeps only the report."""
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------------------------------------ inputs
-
-def model_config(model_dir: str) -> dict[str, Any]:
-    """The checkpoint's config.json."""
-    return json.loads((Path(model_dir) / "config.json").read_text())
-
-
-def special_token_ids(model_dir: str, cfg: dict[str, Any]) -> set[int]:
-    """bos/eos/pad ids from the config plus every special token the tokenizer declares."""
-    ids: set[int] = set()
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        v = cfg.get(key)
-        ids.update(v if isinstance(v, list) else [v] if isinstance(v, int) else [])
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        ids.update(tok.all_special_ids)
-        ids.update(i for i, t in tok.added_tokens_decoder.items() if getattr(t, "special", False))
-    except Exception as exc:  # a tokenizer HF cannot load: the config's ids are still excluded
-        log(f"tokenizer not loadable by transformers ({type(exc).__name__}); excluding config special ids only")
-    return ids
-
-
-def vocab_pool(model_dir: str) -> torch.Tensor:
-    """The token ids prompts are drawn from: [0, vocab_size) minus the special tokens."""
-    cfg = model_config(model_dir)
-    special = special_token_ids(model_dir, cfg)
-    pool = torch.tensor([i for i in range(int(cfg["vocab_size"])) if i not in special], dtype=torch.long)
-    if pool.numel() == 0:
-        raise SystemExit("bench: the vocabulary has no non-special tokens")
-    return pool
-
-
-def make_prompts(pool: torch.Tensor, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    """n prompts of random ids from pool, lengths uniform in [lo, hi], reproducible from seed."""
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-    return [pool[torch.randint(0, pool.numel(), (k,), generator=g)].tolist() for k in lens]
-
-
-def count_params(model_dir: str) -> int:
-    """Every tensor element stored in the checkpoint's *.safetensors files (nothing excluded)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise SystemExit(f"bench: no *.safetensors in {model_dir}")
-    total = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                n = 1
-                for d in st.get_slice(name).get_shape():
-                    n *= int(d)
-                total += n
-    return total
-
-
-# ------------------------------------------------------------------------------------------------ timing
-
-def sync(device: str) -> None:
-    """Wait for queued device work, so wall-clock timings are honest."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def matmul_flops(m: int, k: int, n: int, dtype: torch.dtype, device: str, trials: int = 5) -> float:
-    """Best-of-trials FLOP/s of an [m, k] x [k, n] matmul; each trial runs long enough to time (>= 50 ms)."""
-    a = torch.randn(m, k, device=device).to(dtype)
-    w = torch.randn(n, k, device=device).to(dtype)  # [out, in], the layout model weights have
-
-    def mm() -> None:
-        torch.nn.functional.linear(a, w)
-
-    mm()
-    sync(device)
-    t0 = time.perf_counter()
-    mm()
-    sync(device)
-    reps = max(1, int(0.05 / max(time.perf_counter() - t0, 1e-6)))
-    best = float("inf")
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            mm()
-        sync(device)
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return 2.0 * m * k * n / best
-
-
-def compute_floor(cfg: dict[str, Any], dtype: str, device: str, n_params: int) -> dict[str, Any]:
-    """The GEMM probe and the token rate it would allow: flops / (2 * n_params)."""
-    hidden = int(cfg["hidden_size"])
-    ffn = int(cfg.get("intermediate_size") or 4 * hidden)
-    storage = _DTYPES[dtype]
-    # On CPUs without bf16/fp16 arithmetic the engine computes in fp32 (llmrt.hardware.compute_dtype); the
-    # floor is the faster of the two ways the device can do these matmuls.
-    compute = compute_dtype(torch.device(device if device != "auto" else "cpu"), storage)
-    probes = {str(d).replace("torch.", ""): matmul_flops(2048, hidden, ffn, d, device) for d in {storage, compute}}
-    flops = max(probes.values())
-    return {"gemm_shape": [2048, hidden, ffn], "dtype": dtype, "probes_flops_per_s": probes, "flops_per_s": flops,
-            "floor_tokens_per_s": flops / (2.0 * n_params)}
-
-
-def rates(elapsed: float, n_requests: int, prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
-    """Throughput figures of one timed run."""
-    return {"elapsed_s": elapsed, "num_requests": n_requests, "prompt_tokens": prompt_tokens,
-            "output_tokens": output_tokens, "requests_per_s": n_requests / elapsed,
-            "output_tokens_per_s": output_tokens / elapsed,
-            "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed}
-
-
 def _mean(xs: Sequence[Optional[float]]) -> Optional[float]:
     vals = [x for x in xs if x is not None]
     return sum(vals) / len(vals) if vals else None
@@ -309,78 +191,6 @@ def single_llmrt(llm: Any, prompt: list[int], w: Workload) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ Hugging Face
-
-def load_hf(model_dir: str, dtype: str, device: str) -> Any:
-    """The same checkpoint through transformers, in eval mode on device."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
-    return model.to(device).eval()
-
-
-def pad_id(model: Any) -> int:
-    """The pad id for left padding: the config's pad, else its (first) eos, else 0."""
-    cfg = model.config
-    for v in (cfg.pad_token_id, cfg.eos_token_id):
-        if isinstance(v, list) and v:
-            return int(v[0])
-        if isinstance(v, int):
-            return v
-    return 0
-
-
-def left_pad(batch: list[list[int]], pad: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids and attention_mask with every prompt right-aligned."""
-    width = max(map(len, batch))
-    ids = torch.full((len(batch), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, p in enumerate(batch):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    return ids.to(device), mask.to(device)
-
-
-def hf_generate(model: Any, batch: list[list[int]], new_tokens: int, temperature: float,
-                device: str) -> tuple[float, int]:
-    """(seconds, output tokens) for one HF generate of exactly new_tokens per prompt."""
-    ids, mask = left_pad(batch, pad_id(model), device)
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-        dict(do_sample=False)
-    sync(device)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=pad_id(model), **sampling)
-    sync(device)
-    return time.perf_counter() - t0, (out.shape[1] - ids.shape[1]) * len(batch)
-
-
-def bench_hf_batch(model: Any, prompts: list[list[int]], bs: int, w: Workload, device: str) -> dict[str, Any]:
-    """All prompts in order, in static batches of bs; rates over the summed generate time."""
-    elapsed, n_out = 0.0, 0
-    for i in range(0, len(prompts), bs):
-        t, n = hf_generate(model, prompts[i:i + bs], w.output_len, w.temperature, device)
-        elapsed, n_out = elapsed + t, n_out + n
-    return {"batch_size": bs, **rates(elapsed, len(prompts), sum(map(len, prompts)), n_out)}
-
-
-def bench_hf(model: Any, prompts: list[list[int]], sizes: list[int], w: Workload, device: str) -> dict[str, Any]:
-    """One run per batch size; the best output tokens/s is the baseline."""
-    runs = []
-    for bs in sorted({min(bs, len(prompts)) for bs in sizes}):
-        log(f"hf: {len(prompts)} prompts, batch size {bs}")
-        runs.append(bench_hf_batch(model, prompts, bs, w, device))
-    best = max(runs, key=lambda r: r["output_tokens_per_s"])
-    return {**best, "best_batch_size": best["batch_size"], "runs": runs}
-
-
-def single_hf(model: Any, prompt: list[int], w: Workload, device: str) -> dict[str, Any]:
-    """Per-token decode time: (t(generate N) - t(generate 1)) / (N - 1), N = single_output_len."""
-    n = w.single_output_len
-    t1, _ = hf_generate(model, [prompt], 1, w.temperature, device)
-    tn, _ = hf_generate(model, [prompt], n, w.temperature, device)
-    return {"t_generate_1_s": t1, "t_generate_n_s": tn, "tpot_s": (tn - t1) / (n - 1) if n > 1 else None}
-
 
 def parse_sizes(text: str) -> list[int]:
     """'8,32' -> [8, 32]."""
