@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import os
 import shlex
 import sys
@@ -91,7 +90,9 @@ def run_route(args: argparse.Namespace) -> int:
     if not args.backend and not args.launch and not args.ray_replicas:
         print("error: give --backend URL (repeatable), --launch N or --ray-replicas N", file=sys.stderr)
         return 2
-    _setup_access_log(args.disable_access_log)
+    from llmrt.server.launch import setup_access_log
+
+    setup_access_log(args.disable_access_log)
     with contextlib.ExitStack() as stack:
         backends = list(args.backend)
         watchers = []
@@ -152,15 +153,3 @@ async def _serve(args: argparse.Namespace, cfg: "RouterConfig") -> int:
     finally:
         sock.close()
     return 0
-
-
-def _setup_access_log(disabled: bool) -> None:
-    access = logging.getLogger("llmrt.access")
-    if disabled:
-        access.disabled = True
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    access.addHandler(handler)
-    access.setLevel(logging.INFO)
-    access.propagate = False

@@ -72,7 +72,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_server(args: argparse.Namespace) -> int:
     """Start the engine and serve until interrupted; 0 on a clean stop."""
-    _setup_access_log(args)
+    setup_access_log(bool(getattr(args, "disable_access_log", False)))
     try:
         return asyncio.run(_serve(args))
     except KeyboardInterrupt:
@@ -170,9 +170,10 @@ def _print_banner(args: argparse.Namespace, engine: Any, port: int) -> None:
           f"  try: curl {base}/v1/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
 
 
-def _setup_access_log(args: argparse.Namespace) -> None:
+def setup_access_log(disabled: bool) -> None:
+    """JSON access-log lines (logger `llmrt.access`) to stderr, or none; shared by `serve` and `route`."""
     access = logging.getLogger("llmrt.access")
-    if getattr(args, "disable_access_log", False):
+    if disabled:
         access.disabled = True
         return
     handler = logging.StreamHandler(sys.stderr)
