@@ -6,6 +6,7 @@ included), 500, and a stream that already sent an event (its client gets one cle
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -77,12 +78,19 @@ class Router:
         overhead = 0.0  # the router's own time: each attempt's choosing and rewriting, never the backend's
         reason = ""
         mark = t0
-        for attempt in range(self.max_retries + 1):
+        retries = 0
+        free_retry = False  # the last attempt was refused by a draining instance: it did no work, so no retry is spent
+        for attempt in itertools.count():
             if attempt:
-                if not self.budget.try_spend():
-                    self.metrics.budget_exhausted.inc()
-                    break
+                if not free_retry:
+                    if retries >= self.max_retries:
+                        break
+                    if not self.budget.try_spend():
+                        self.metrics.budget_exhausted.inc()
+                        break
+                    retries += 1
                 self.metrics.retries.labels(reason).inc()
+            free_retry = False
             cands, _ = self.candidates(parsed, pin, tried)
             if not cands:
                 if pin is not None and not any(b.version == pin for b in self.pool.backends):
@@ -136,6 +144,7 @@ class Router:
                     reason = f"status_{upstream.status_code}"
                     if _code(body) == "draining":  # going away on purpose: stop routing there before the next poll
                         b.draining = True
+                        free_retry = True  # each backend is tried once, so this cannot loop
                         self.metrics.errors.labels(b.name, "draining").inc()
                     elif upstream.status_code == 429:  # busy, not broken: avoid it until its Retry-After
                         b.busy_until = time.monotonic() + (retry_after_s(upstream.headers) or 1.0)
