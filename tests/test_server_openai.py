@@ -132,6 +132,52 @@ def test_logprobs(server):
         assert t.logprob <= 0 and _joined([t.token]).encode() == bytes(t.bytes) or len(t.bytes) == 1
 
 
+def _ids(names) -> list[int]:
+    """The ids of `token_id:<id>` names (vLLM's return_tokens_as_token_ids rendering); fails on any other name."""
+    assert all(n.startswith("token_id:") and n[9:].isdigit() for n in names), names
+    return [int(n[9:]) for n in names]
+
+
+def test_return_tokens_as_token_ids(server, offline):
+    """vLLM's extension, as regress asks for it: every token named `token_id:<id>`, streamed or not, completions
+    and chat, echoed prompt included; `text_offset` is as without it and a chat token's `bytes` are its text's."""
+    ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    want = list(offline.completion.token_ids[:6])
+    r = server.client.completions.create(model=server.model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                         logprobs=2, extra_body=ids)
+    lp = r.choices[0].logprobs
+    assert _ids(lp.tokens) == want
+    for name, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        _ids(top)
+        assert top[name] == pytest.approx(logprob) and 1 <= len(top) <= 3
+    plain = server.client.completions.create(model=server.model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                             logprobs=2, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert (lp.text_offset, lp.token_logprobs) == (plain.text_offset, plain.token_logprobs)
+    stream = server.client.completions.create(model=server.model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                              logprobs=2, stream=True, extra_body=ids)
+    assert _ids([t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]) == want
+    prompt_ids = server.tokenizer.encode(PROMPT)
+    echo = server.client.completions.create(model=server.model, prompt=prompt_ids, max_tokens=1, temperature=0,
+                                            echo=True, logprobs=1, extra_body=ids).choices[0].logprobs
+    assert _ids(echo.tokens) == prompt_ids + want[:1]
+
+    want = list(offline.chat.token_ids[:6])
+    r = server.client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                              logprobs=True, top_logprobs=3, extra_body=ids)
+    content = r.choices[0].logprobs.content
+    assert _ids([t.token for t in content]) == want
+    assert all(len(_ids([a.token for a in t.top_logprobs])) == 3 for t in content)
+    assert b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace") == r.choices[0].message.content
+    stream = server.client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=6,
+                                                   temperature=0, logprobs=True, stream=True, extra_body=ids)
+    assert _ids([t.token for c in stream if c.choices and c.choices[0].logprobs
+                 for t in c.choices[0].logprobs.content]) == want
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=server.model, prompt=PROMPT, max_tokens=1, logprobs=1,
+                                         extra_body={"return_tokens_as_token_ids": "yes"})
+    assert e.value.code == "invalid_request" and e.value.param == "return_tokens_as_token_ids"
+
+
 def test_stop_strings(server, offline):
     text = offline.completion.text
     stop = text[6:9]  # somewhere inside the greedy text

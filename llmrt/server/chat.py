@@ -134,7 +134,7 @@ async def create_chat_completion(state: ServerState, req: P.ChatCompletionReques
     tokenizer = state.tokenizer
     prompt_ids = await state.offload.run(render_prompt, state, req, tools, params)
     head = start_response(state, request, "chatcmpl", req, params.max_tokens)
-    texts = TokenTexts(tokenizer)
+    texts = TokenTexts(tokenizer, as_ids=bool(req.return_tokens_as_token_ids))
     gen = Generation(state.engine, [prompt_ids], params, head.id, priority=req.priority or 0, user=req.user,
                      timeout=req.timeout, default_timeout=state.default_timeout, prompt_param="messages")
     stream = None

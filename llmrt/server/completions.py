@@ -126,7 +126,7 @@ async def create_completion(state: ServerState, req: P.CompletionRequest, reques
     head = start_response(state, request, "cmpl", req, params.max_tokens)
     tokenizer = state.tokenizer
     prompt_ids, echo = await state.offload.run(prepare_prompts, state, prompts, bool(req.echo), params)
-    texts = TokenTexts(tokenizer)
+    texts = TokenTexts(tokenizer, as_ids=bool(req.return_tokens_as_token_ids))
     gen = Generation(state.engine, prompt_ids, params, head.id, priority=req.priority or 0, user=req.user,
                      timeout=req.timeout, default_timeout=state.default_timeout)
     stream = None

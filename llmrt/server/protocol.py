@@ -96,6 +96,10 @@ class _SamplingFields(_Request):
                           "the output is valid by construction (constrained decoding)")
     structured_outputs: Optional[StructuredOutputsRequest] = Field(
         None, description="constrain the output to a JSON schema, regex, EBNF grammar or choice (vLLM's names)")
+    return_tokens_as_token_ids: Optional[bool] = Field(
+        None, description="with logprobs: name every token (sampled, alternatives, echoed prompt) `token_id:<id>` "
+                          "instead of its text, so tokens that are not valid UTF-8 on their own stay identifiable "
+                          "(vLLM's extension)")
 
 
 # -- completions ----------------------------------------------------------------------------------------------
