@@ -15,7 +15,8 @@ from server_utils import run_server
 
 def _rec(tokens, lps, tops, finish="length"):
     return {"index": 0, "mode": "greedy", "ok": True, "error": None, "tokens": tokens, "token_ids": None,
-            "text": "".join(tokens), "logprobs": lps, "top_logprobs": tops, "finish_reason": finish}
+            "text": "".join(tokens), "logprobs": lps, "top_logprobs": tops, "finish_reason": finish,
+            "ttft_s": 0.01, "tpot_s": 0.001, "e2e_s": 0.02}
 
 
 def test_compare_request_finds_the_divergence_and_its_margins():
@@ -28,6 +29,34 @@ def test_compare_request_finds_the_divergence_and_its_margins():
     assert same["match"] and same["first_diff"] is None
     shorter = compare_request(old, _rec(["a", "b"], [-0.1, -0.5], [{}, {}], finish="stop"))
     assert not shorter["match"] and shorter["first_diff"] == 2 and shorter["new_finish"] == "stop"
+
+
+def test_compare_uses_ids_when_both_runs_have_them_else_texts_else_characters():
+    """Token ids when both endpoints honoured return_tokens_as_token_ids; token texts when neither did; the text's
+    characters when one did not (an id and a text cannot be compared), and the report says which and why."""
+    from llmrt.tools.regress_compare import compare_runs
+
+    def ids(tokens):
+        rec = _rec([f"token_id:{t}" for t in tokens], [-0.1] * len(tokens),
+                   [{f"token_id:{t}": -0.1, "token_id:99": -0.3} for t in tokens])
+        rec["token_ids"], rec["text"] = tokens, "ab"
+        return rec
+
+    row = compare_request(ids([5, 6]), ids([5, 7]))
+    assert row["basis"] == "ids" and (row["first_diff"], row["old_token"], row["new_token"]) == (1, 6, 7)
+    assert row["margin_old"] == pytest.approx(0.2)  # 7 was not listed: the least likely alternative stands in
+    texts = _rec(["a", "b"], [-0.1, -0.1], [{}, {}])
+    assert compare_request(texts, texts)["basis"] == "texts"
+    mixed = compare_request(ids([5, 6]), texts)
+    assert mixed["basis"] == "chars" and mixed["match"] and mixed["margin_old"] is None
+    run = {"base_url": "http://a/v1", "model": "m", "date": "d", "token_ids": True,
+           "server": {"before": {"version": None, "memory": {}}, "after": {"memory": {}}}}
+    other = {**run, "base_url": "http://b/v1", "token_ids": False}
+    report = compare_runs({**run, "requests": [ids([5, 6])]}, {**other, "requests": [texts]}, 0.05)
+    assert report["compared_on"] == ("characters of the text (1 requests); no token ids from http://b/v1 "
+                                     "(return_tokens_as_token_ids ignored there)")
+    report = compare_runs({**run, "requests": [ids([5, 6])]}, {**run, "requests": [ids([5, 6])]}, 0.05)
+    assert report["compared_on"] == "token ids (1 requests)" and report["exact_match_rate"] == 1.0
 
 
 def test_prepare_forces_greedy_unless_seeded(tmp_path):
@@ -65,11 +94,14 @@ def test_regress_same_server_other_dtype_other_model_and_slowdown(tmp_path, chec
         assert main(["regress", "record", "--base-url", url + "/v1", "-o", str(golden), "--num-requests", "8",
                      "--max-tokens", "16", "--concurrency", "4", "--warmup", "1", "--no-progress"]) == 0
         rec = json.loads(golden.read_text())
-        assert len(rec["requests"]) == 8 and all(len(r["tokens"]) == 16 for r in rec["requests"])
+        assert len(rec["requests"]) == 8 and all(len(r["token_ids"]) == 16 for r in rec["requests"])
+        assert rec["token_ids"] and all(t == f"token_id:{i}" for r in rec["requests"]
+                                        for t, i in zip(r["tokens"], r["token_ids"]))
         assert [r["mode"] for r in rec["requests"]].count("sampled") == 2
         assert rec["server"]["before"]["version"]["version"] and rec["server"]["after"]["memory"]
         rc, report = _compare(golden, url, "--plot", str(tmp_path / "lat.png"))
         assert rc == 0 and report["exact_match_rate"] == 1.0 and not report["violations"]
+        assert report["compared_on"] == "token ids (8 requests)"
         assert (tmp_path / "lat.png").stat().st_size > 0
         # Every engine step now sleeps 0.4 s: far beyond this machine's noise.
         assert httpx.post(url + "/debug/fault", json={"kind": "slow", "seconds": 0.4}).status_code == 200

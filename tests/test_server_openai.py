@@ -155,7 +155,8 @@ def test_return_tokens_as_token_ids(server, offline):
     assert (lp.text_offset, lp.token_logprobs) == (plain.text_offset, plain.token_logprobs)
     stream = server.client.completions.create(model=server.model, prompt=PROMPT, max_tokens=6, temperature=0,
                                               logprobs=2, stream=True, extra_body=ids)
-    assert _ids([t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]) == want
+    assert _ids([t for c in stream if c.choices and c.choices[0].logprobs
+                 for t in c.choices[0].logprobs.tokens]) == want
     prompt_ids = server.tokenizer.encode(PROMPT)
     echo = server.client.completions.create(model=server.model, prompt=prompt_ids, max_tokens=1, temperature=0,
                                             echo=True, logprobs=1, extra_body=ids).choices[0].logprobs

@@ -1,8 +1,9 @@
 """`llmrt regress record | compare`: replay a workload against an OpenAI-compatible endpoint and keep what it said.
 
-`record` stores, per request, the output tokens (their texts, and ids where the server renders tokens as
-`token_id:N`), the text, the top logprobs, the finish reason and the client-side TTFT/TPOT/e2e, plus the server's
-`/version` and its `/metrics` memory figures before and after the run. `compare` (llmrt/tools/regress_compare.py)
+`record` stores, per request, the output token ids (asked for with vLLM's `return_tokens_as_token_ids`, which
+llmrt and vLLM honour; from an endpoint that ignores it, the token texts instead), the text, the top logprobs,
+the finish reason and the client-side TTFT/TPOT/e2e, plus the server's `/version` and its `/metrics` memory
+figures before and after the run. `compare` (llmrt/tools/regress_compare.py)
 replays the recorded request bodies against another endpoint and reports what changed.
 
 Requests without a `seed` are made greedy (`temperature: 0`): only greedy or seeded outputs are reproducible.
@@ -136,6 +137,13 @@ def request_record(index: int, endpoint: str, mode: str, r: RequestResult) -> di
             "cached_tokens": r.cached_tokens, "ttft_s": r.ttft, "tpot_s": r.tpot, "e2e_s": r.e2e}
 
 
+def token_basis(records: list[dict[str, Any]]) -> str:
+    """"ids" when every successful request's tokens came back as `token_id:N` (the endpoint honours
+    return_tokens_as_token_ids), else "texts"."""
+    done = [r for r in records if r["ok"] and r["tokens"]]
+    return "ids" if done and all(r["token_ids"] is not None for r in done) else "texts"
+
+
 async def replay(base_url: str, bodies: list[dict[str, Any]], modes: list[str], concurrency: int,
                  timeout: float, progress: bool) -> list[dict[str, Any]]:
     """Send every body (streamed), at most `concurrency` at a time; one record per body, in workload order."""
@@ -170,6 +178,7 @@ def run_workload(base_url: str, bodies: list[dict[str, Any]], model: Optional[st
     after = server_snapshot(base_url)
     return {"tool": "llmrt regress", "format": FORMAT_VERSION, "date": now_iso(), "base_url": base_url,
             "model": model, "concurrency": concurrency, "top_logprobs": top_logprobs, "warmup": warmup,
+            "token_ids": token_basis(records) == "ids",
             "server": {"before": before, "after": after}, "machine": machine_info("client"),
             "load_avg_1m": {"start": load_start, "end": load_average()}, "workload": bodies, "requests": records}
 

@@ -24,9 +24,24 @@ LATENCY_METRICS = ("ttft", "tpot", "e2e")
 LATENCY_STATS = ("mean", "p50", "p90", "p99")
 
 
-def _sequence(rec: dict[str, Any]) -> list[Any]:
-    """What a request's output is compared on: token ids, else token texts, else characters of the text."""
-    return rec.get("token_ids") or rec.get("tokens") or list(rec.get("text") or "")
+BASES = {"ids": "token ids", "texts": "token texts", "chars": "characters of the text"}
+
+
+def basis(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """What two records are compared on: token ids when both have them, token texts when neither has, else (one
+    endpoint ignored return_tokens_as_token_ids: an id and a text cannot be compared) the text's characters."""
+    if old.get("token_ids") is not None and new.get("token_ids") is not None:
+        return "ids"
+    if old.get("token_ids") is None and new.get("token_ids") is None and (old.get("tokens") or new.get("tokens")):
+        return "texts"
+    return "chars"
+
+
+def _sequence(rec: dict[str, Any], on: str) -> list[Any]:
+    """A request's output as the sequence it is compared on."""
+    if on == "ids":
+        return rec["token_ids"]
+    return (rec.get("tokens") or []) if on == "texts" else list(rec.get("text") or "")
 
 
 def _margin(rec: dict[str, Any], pos: int, own: Any, other: Any) -> Optional[float]:
@@ -43,9 +58,10 @@ def _margin(rec: dict[str, Any], pos: int, own: Any, other: Any) -> Optional[flo
 
 def compare_request(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """One request old vs new: match, first divergence and margins, finish reasons."""
-    a, b = _sequence(old), _sequence(new)
-    row: dict[str, Any] = {"index": old["index"], "mode": old["mode"], "old_finish": old["finish_reason"],
-                           "new_finish": new["finish_reason"], "old_tokens": len(a), "new_tokens": len(b),
+    on = basis(old, new)
+    a, b = _sequence(old, on), _sequence(new, on)
+    row: dict[str, Any] = {"index": old["index"], "mode": old["mode"], "basis": on,
+                           "old_finish": old["finish_reason"], "new_finish": new["finish_reason"], "old_tokens": len(a), "new_tokens": len(b),
                            "ok": bool(old["ok"] and new["ok"]), "error": new.get("error")}
     pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if pos is None and len(a) != len(b):
@@ -55,6 +71,7 @@ def compare_request(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     row["old_token"] = row["new_token"] = row["margin_old"] = row["margin_new"] = None
     if pos is not None and pos < len(a) and pos < len(b):
         row["old_token"], row["new_token"] = a[pos], b[pos]
+    if pos is not None and pos < len(a) and pos < len(b) and on != "chars":  # a character has no logprob
         row["margin_old"] = _margin(old, pos, a[pos], b[pos])
         row["margin_new"] = _margin(new, pos, b[pos], a[pos])
     return row
@@ -98,12 +115,23 @@ def compare_runs(golden: dict[str, Any], run: dict[str, Any], near_tie: float) -
                        "version": golden["server"]["before"]["version"]},
             "new": {"base_url": run["base_url"], "model": run["model"], "date": run["date"],
                     "version": run["server"]["before"]["version"]},
+            "compared_on": _compared_on(golden, run, rows),
             "num_requests": len(rows), "exact_match_rate": (len(rows) - len(mismatches)) / len(rows) if rows else None,
             "num_mismatches": len(mismatches), "num_near_ties": sum(1 for r in mismatches if r["near_tie"]),
             "num_failed": sum(1 for r in rows if not r["ok"]),
             "finish_reason_changes": [{"index": r["index"], "old": r["old_finish"], "new": r["new_finish"]}
                                       for r in rows if r["ok"] and r["old_finish"] != r["new_finish"]],
             "mismatches": mismatches, "latency": latency, "memory": memory}
+
+
+def _compared_on(golden: dict[str, Any], run: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """What the outputs were compared on, and why when it is not token ids."""
+    counts = {b: sum(1 for r in rows if r["basis"] == b) for b in BASES}
+    text = ", ".join(f"{BASES[b]} ({n} requests)" for b, n in counts.items() if n) or "nothing"
+    ignored = [r["base_url"] for r in (golden, run) if not r.get("token_ids")]
+    if ignored and (counts["texts"] or counts["chars"]):
+        text += f"; no token ids from {' and '.join(ignored)} (return_tokens_as_token_ids ignored there)"
+    return text
 
 
 def parse_percent(text: str) -> float:
@@ -148,12 +176,12 @@ def render(report: dict[str, Any]) -> str:
              f"exact match: {report['num_requests'] - report['num_mismatches']}/{report['num_requests']} "
              f"({report['exact_match_rate']:.1%}); mismatches {report['num_mismatches']} "
              f"(near-ties {report['num_near_ties']}); failed {report['num_failed']}; finish-reason changes "
-             f"{len(report['finish_reason_changes'])}", ""]
+             f"{len(report['finish_reason_changes'])}", f"compared on: {report['compared_on']}", ""]
     if report["mismatches"]:
         shown = [{**r, "old_token": _shown(r["old_token"]), "new_token": _shown(r["new_token"])}
                  for r in report["mismatches"]]
         lines += ["mismatches (first diverging token; margin = logprob(own token) - logprob(other run's token)):",
-                  format_table(shown, ["index", "mode", "first_diff", "old_token", "new_token", "margin_old",
+                  format_table(shown, ["index", "mode", "basis", "first_diff", "old_token", "new_token", "margin_old",
                                        "margin_new", "near_tie", "old_finish", "new_finish", "error"]), ""]
     lines += ["latency (client side):", format_table(report["latency"], ["metric", "stat", "old_ms", "new_ms",
                                                                          ("change_pct", "change %")])]
