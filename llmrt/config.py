@@ -76,6 +76,7 @@ class ModelConfig:
         else:
             self.hf_config = json.loads(cfg.read_text())
         self.torch_dtype = parse_dtype(self.dtype, self.hf_config)
+        self._checkpoint_quantization()
         limit = self.derived_max_len()
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -91,6 +92,22 @@ class ModelConfig:
         if self.quant_group_size not in QUANT_GROUP_SIZES:
             raise InvalidRequestError(f"quant_group_size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}",
                                       param="quant_group_size")
+
+    def _checkpoint_quantization(self) -> None:
+        """A GPTQ/AWQ checkpoint chooses its own method; asking for another one is refused."""
+        from llmrt.model.quantization.gptq_awq import checkpoint_quantization
+
+        method = checkpoint_quantization(self.hf_config)
+        if method is None:
+            return
+        if self.quantization not in (None, method):
+            raise UnsupportedError(f"{self.model} is a {method.upper()} checkpoint (4-bit, served by the int4 method); "
+                                   f"it cannot be loaded as --quantization {self.quantization}", param="quantization")
+        self.quantization = method
+
+    def quant_options(self) -> dict[str, Any]:
+        """What get_quantization_config needs besides the name: the group size and the checkpoint's own config."""
+        return {"group_size": self.quant_group_size, "checkpoint": self.hf_config.get("quantization_config")}
 
     def derived_max_len(self) -> int:
         """The model's own context limit from its config."""
@@ -249,7 +266,8 @@ class EngineConfig:
         from llmrt.hardware import check_formats
         from llmrt.model.quantization import get_quantization_config
 
-        get_quantization_config(self.model.quantization)  # an unknown name fails here, before any weight is read
+        # An unknown name or an unsupported checkpoint format (bits, packing) fails here, before any weight is read.
+        get_quantization_config(self.model.quantization, self.model.quant_options())
         self.formats = check_formats(torch.device(self.device), self.model.torch_dtype, self.model.quantization,
                                      self.cache.kv_cache_dtype)
 

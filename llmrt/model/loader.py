@@ -74,7 +74,7 @@ def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
     """Build the model for `model_cfg` on `device` and fill it from the checkpoint."""
     arch = model_cfg.architecture
     dtype = model_cfg.torch_dtype
-    quant = get_quantization_config(model_cfg.quantization, {"group_size": model_cfg.quant_group_size})
+    quant = get_quantization_config(model_cfg.quantization, model_cfg.quant_options())
     try:
         model = build_model(model_cfg.hf_config, arch, dtype, compute_dtype(device, dtype), device, quant)
     except KeyError as e:
@@ -111,7 +111,9 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
             continue
         module = model.get_submodule(name.rsplit(".", 1)[0])
         sizes = getattr(module, "output_sizes", [p.shape[0]])
-        if name.endswith("weight") or name.endswith("bias"):
+        if getattr(p, "optional_tensor", False):
+            continue
+        if name.endswith("weight") or name.endswith("bias") or getattr(p, "loads_by_shard", False):
             shards = range(len(sizes)) if len(sizes) > 1 and _is_packed(model, name) else [None]
         else:
             shards = [None]

@@ -73,13 +73,17 @@ class Int4LinearMethod(UnquantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         w = layer.weight.data
-        n, k = w.shape
         # Inputs not a multiple of the group size are padded with zero weights (and zero activations in apply).
-        layer.int4_in_pad = -k % self.group_size
-        w = F.pad(w, (0, layer.int4_in_pad))
-        q, scale, zero = quantize_int4(w, self.group_size)
+        layer.int4_in_pad = -w.shape[1] % self.group_size
+        q, scale, zero = quantize_int4(F.pad(w, (0, layer.int4_in_pad)), self.group_size)
         del layer.weight
-        layer.int4_torch_packed = w.device.type == "cpu" and n % 16 == 0
+        self.store_quantized(layer, q, scale, zero)
+
+    def store_quantized(self, layer: "Linear", q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Keep quantize_int4's (q, scale, zero) in this method's layout; also the entry for checkpoints that
+        arrive quantized (GPTQ, AWQ, GGUF 4-bit), which set `layer.int4_in_pad` themselves."""
+        n = q.shape[0]
+        layer.int4_torch_packed = q.device.type == "cpu" and n % 16 == 0
         if layer.int4_torch_packed:
             layer.qweight = nn.Parameter(torch._convert_weight_to_int4pack_for_cpu(q, 1), requires_grad=False)
             sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
