@@ -53,7 +53,9 @@ class ModelConfig:
     max_model_len: Optional[int] = None
     seed: int = 0
     served_model_name: Optional[str] = None
-    quantization: Optional[str] = None  # a name in llmrt.model.quantization.QUANTIZATION_METHODS; None: unquantized
+    # A name in llmrt.model.quantization.QUANTIZATION_METHODS; None: what the checkpoint implies (GPTQ/AWQ, a GGUF's
+    # types; else unquantized); "none": unquantized even then.
+    quantization: Optional[str] = None
     quant_group_size: int = 32  # int4: weights per scale/zero group along the input dim (32, 64 or 128)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     torch_dtype: torch.dtype = torch.float32
@@ -94,15 +96,25 @@ class ModelConfig:
                                       param="quant_group_size")
 
     def _checkpoint_quantization(self) -> None:
-        """A GPTQ/AWQ checkpoint chooses its own method; asking for another one is refused."""
+        """What the checkpoint implies when no method was named: a GPTQ/AWQ checkpoint its own (another is
+        refused); a GGUF file the method that keeps its decoder weights' bits (int4 for mostly 4-bit types, int8
+        for mostly Q8_0). "none" asks for unquantized weights (a GGUF then loads dequantized)."""
         from llmrt.model.quantization.gptq_awq import checkpoint_quantization
 
+        explicit_none = self.quantization == "none"
+        if explicit_none:
+            self.quantization = None
         method = checkpoint_quantization(self.hf_config)
         if method is None:
+            if self.quantization is None and not explicit_none and str(self.model).endswith(".gguf"):
+                from llmrt.model.gguf_file import gguf_default_quantization
+
+                self.quantization = gguf_default_quantization(self.model)
             return
-        if self.quantization not in (None, method):
+        if explicit_none or self.quantization not in (None, method):
             raise UnsupportedError(f"{self.model} is a {method.upper()} checkpoint (4-bit, served by the int4 method); "
-                                   f"it cannot be loaded as --quantization {self.quantization}", param="quantization")
+                                   f"it cannot be loaded as --quantization {self.quantization or 'none'}",
+                                   param="quantization")
         self.quantization = method
 
     def quant_options(self) -> dict[str, Any]:

@@ -145,7 +145,7 @@ class CheckpointInt4Method(Int4LinearMethod):
             setattr(layer, name, set_weight_loader(p, self._loader(layer)))
         if gptq:
             g_idx = nn.Parameter(torch.empty(in_features, dtype=torch.int32), requires_grad=False)
-            g_idx.optional_tensor = True  # each projection's copy is checked when present, none is kept
+            g_idx.checkpoint_optional = True  # each projection's copy is checked when present, none is kept
             layer.g_idx = set_weight_loader(g_idx, self._check_g_idx(layer))
         layer.bias = None
         if bias:
