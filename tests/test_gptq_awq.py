@@ -72,10 +72,11 @@ def quantize_checkpoint(src: Path, out: Path, method: str, gs: int, sym: bool) -
     for name, t in tensors.items():
         base = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and base.rsplit(".", 1)[-1] in PROJ:
-            q, z, s = rtn_quantize(t.float(), gs, sym)
-            packed = (pack_gptq if method == "gptq" else pack_awq)(q, z, s, gs)
+            g = t.shape[1] if gs == -1 else gs  # -1: one group per row
+            q, z, s = rtn_quantize(t.float(), g, sym)
+            packed = (pack_gptq if method == "gptq" else pack_awq)(q, z, s, g)
             saved.update({f"{base}.{k}": v for k, v in packed.items()})
-            deq = (q - np.repeat(z, gs, axis=1)) * np.repeat(s.astype(np.float32), gs, axis=1)
+            deq = (q - np.repeat(z, g, axis=1)) * np.repeat(s.astype(np.float32), g, axis=1)
             reference[name] = torch.from_numpy(deq.astype(np.float32))
         else:
             saved[name] = t.half() if name.endswith(".bias") else t
@@ -105,7 +106,7 @@ def reference_model(src: Path, reference: dict[str, torch.Tensor]) -> torch.nn.M
 
 
 CASES = [("llama2", "gptq", 32, False), ("qwen2", "gptq", 64, True), ("llama2", "awq", 32, True),
-         ("qwen2", "awq", 32, True), ("llama3", "gptq", 32, True), ("mistral", "awq", 64, True),
+         ("qwen2", "awq", 32, True), ("llama3", "gptq", -1, True), ("mistral", "awq", 64, True),
          ("qwen3", "gptq", 32, False)]
 
 
