@@ -190,3 +190,14 @@ def test_act_order_is_refused(tmp_path):
 def test_act_order_flag_with_trivial_g_idx_loads(tmp_path):
     path = _gptq_dir(tmp_path, desc_act=True)
     load_model(ModelConfig(str(path), dtype="float32"), torch.device("cpu"))
+
+
+def test_plan_counts_a_gptq_config_as_int4(tmp_path):
+    from llmrt.engine.memory_plan import plan_memory
+
+    path = _gptq_dir(tmp_path)
+    hf = json.loads((path / "config.json").read_text())
+    plain = {k: v for k, v in hf.items() if k != "quantization_config"}
+    kw = dict(memory_bytes=1 << 30, dtype=torch.float32)
+    gptq, full, int4 = plan_memory(hf, **kw), plan_memory(plain, **kw), plan_memory(plain, quantization="int4", **kw)
+    assert gptq.weights_bytes == int4.weights_bytes < full.weights_bytes
