@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     """Score the unquantized model and each quantized configuration on the same tokens."""
     from llmrt.tokenizer import load_tokenizer
 
-    base = ModelConfig(args.model, dtype=args.dtype)
+    base = ModelConfig(args.model, dtype=args.dtype, quantization="none")  # a GGUF dequantized, not its default
     text = Path(args.text).read_text() if args.text else DEFAULT_TEXT
     tokens = load_tokenizer(base.model).encode(text)[: min(args.max_tokens, int(base.max_model_len))]
     t = time.perf_counter()
@@ -128,8 +128,8 @@ def quality_of(model_dir: str, tokens: list[int], quantization: Optional[str], k
                group_size: int = 32, ref: Optional[torch.Tensor] = None) -> QualityReport:
     """One configuration against the unquantized float32 model (or `ref`), for tests and scripts."""
     if ref is None:
-        ref, _ = teacher_forced_logits(ModelConfig(model_dir, dtype="float32"), tokens)
-    cfg = ModelConfig(model_dir, dtype="float32", quantization=quantization, quant_group_size=group_size)
+        ref, _ = teacher_forced_logits(ModelConfig(model_dir, dtype="float32", quantization="none"), tokens)
+    cfg = ModelConfig(model_dir, dtype="float32", quantization=quantization or "none", quant_group_size=group_size)
     t = time.perf_counter()
     logits, nbytes = teacher_forced_logits(cfg, tokens, kv_cache_dtype)
     return compare(str(quantization), logits, ref, tokens, nbytes, time.perf_counter() - t)
