@@ -53,7 +53,9 @@ class ModelConfig:
     max_model_len: Optional[int] = None
     seed: int = 0
     served_model_name: Optional[str] = None
-    quantization: Optional[str] = None  # a name in llmrt.model.quantization.QUANTIZATION_METHODS; None: unquantized
+    # A name in llmrt.model.quantization.QUANTIZATION_METHODS; None: what the checkpoint implies (GPTQ/AWQ, a GGUF's
+    # types; else unquantized); "none": unquantized even then.
+    quantization: Optional[str] = None
     quant_group_size: int = 32  # int4: weights per scale/zero group along the input dim (32, 64 or 128)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     torch_dtype: torch.dtype = torch.float32
@@ -76,6 +78,7 @@ class ModelConfig:
         else:
             self.hf_config = json.loads(cfg.read_text())
         self.torch_dtype = parse_dtype(self.dtype, self.hf_config)
+        self._checkpoint_quantization()
         limit = self.derived_max_len()
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -91,6 +94,32 @@ class ModelConfig:
         if self.quant_group_size not in QUANT_GROUP_SIZES:
             raise InvalidRequestError(f"quant_group_size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}",
                                       param="quant_group_size")
+
+    def _checkpoint_quantization(self) -> None:
+        """What the checkpoint implies when no method was named: a GPTQ/AWQ checkpoint its own (another is
+        refused); a GGUF file the method that keeps its decoder weights' bits (int4 for mostly 4-bit types, int8
+        for mostly Q8_0). "none" asks for unquantized weights (a GGUF then loads dequantized)."""
+        from llmrt.model.quantization.gptq_awq import checkpoint_quantization
+
+        explicit_none = self.quantization == "none"
+        if explicit_none:
+            self.quantization = None
+        method = checkpoint_quantization(self.hf_config)
+        if method is None:
+            if self.quantization is None and not explicit_none and str(self.model).endswith(".gguf"):
+                from llmrt.model.gguf_file import gguf_default_quantization
+
+                self.quantization = gguf_default_quantization(self.model)
+            return
+        if explicit_none or self.quantization not in (None, method):
+            raise UnsupportedError(f"{self.model} is a {method.upper()} checkpoint (4-bit, served by the int4 method); "
+                                   f"it cannot be loaded as --quantization {self.quantization or 'none'}",
+                                   param="quantization")
+        self.quantization = method
+
+    def quant_options(self) -> dict[str, Any]:
+        """What get_quantization_config needs besides the name: the group size and the checkpoint's own config."""
+        return {"group_size": self.quant_group_size, "checkpoint": self.hf_config.get("quantization_config")}
 
     def derived_max_len(self) -> int:
         """The model's own context limit from its config."""
@@ -249,7 +278,8 @@ class EngineConfig:
         from llmrt.hardware import check_formats
         from llmrt.model.quantization import get_quantization_config
 
-        get_quantization_config(self.model.quantization)  # an unknown name fails here, before any weight is read
+        # An unknown name or an unsupported checkpoint format (bits, packing) fails here, before any weight is read.
+        get_quantization_config(self.model.quantization, self.model.quant_options())
         self.formats = check_formats(torch.device(self.device), self.model.torch_dtype, self.model.quantization,
                                      self.cache.kv_cache_dtype)
 

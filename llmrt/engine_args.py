@@ -78,10 +78,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=parse_bytes, default=default_of(c, "swap_space"),
                    help=f"host memory for swapped-out KV blocks with --preemption-mode swap, e.g. 4GiB "
                         f"(default: {_gib(default_of(c, 'swap_space'))})")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8", "none"],
                    help="weight-only quantization at load: int8 (symmetric, per output channel), int4 (group-wise, "
                         "--quant-group-size), fp8 (e4m3 per channel; CUDA sm_89+ only); refused at start-up where "
-                        "the device cannot compute it (default: none)")
+                        "the device cannot compute it. Default: what the checkpoint implies: GPTQ/AWQ checkpoints "
+                        "their own 4-bit weights (as int4), a GGUF int4 when most layer weights are Q4_0/Q4_1/Q4_K "
+                        "(integers kept) or int8 when most are Q8_0, else unquantized; none: unquantized (a GGUF "
+                        "dequantized)")
     g.add_argument("--quant-group-size", type=int, default=default_of(ModelConfig, "quant_group_size"),
                    choices=list(QUANT_GROUP_SIZES), help="int4: weights per scale group (default: %(default)s)")
     g.add_argument("--kv-cache-dtype", default=default_of(c, "kv_cache_dtype"), choices=list(KV_CACHE_DTYPES),

@@ -209,15 +209,21 @@ def describe_device(device: torch.device, flags: frozenset[str] | None = None,
     return f"cpu ({', '.join(isa) or 'no AVX2'})"
 
 
+INT4_CHECKPOINT_FORMATS = ("gptq", "awq")  # 4-bit checkpoints converted to the int4 method at load
+
+
 def format_support(device: torch.device, fmt: str, flags: frozenset[str] | None = None,
                    capability: tuple[int, int] | None = None) -> FormatSupport:
     """The capability table: CPUs by ISA flags, CUDA by compute capability (flags/capability: for tests)."""
     where = describe_device(device, flags, capability)
+    computed_as = "int4" if fmt in INT4_CHECKPOINT_FORMATS else fmt
     if device.type == "cuda":
         cap = capability or torch.cuda.get_device_capability(device)
-        status, detail = _cuda_support(fmt, cap)
+        status, detail = _cuda_support(computed_as, cap)
     else:
-        status, detail = _cpu_support(fmt, cpu_flags() if flags is None else flags)
+        status, detail = _cpu_support(computed_as, cpu_flags() if flags is None else flags)
+    if computed_as != fmt:
+        detail = f"{fmt} checkpoints run as int4: {detail}"
     return FormatSupport(fmt, where, status, detail)
 
 

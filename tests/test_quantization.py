@@ -92,6 +92,24 @@ def test_int8_and_int4_roundtrip_error_bounds():
         assert 0 <= q4.min() and q4.max() <= 15
 
 
+def test_int4_refit_is_the_least_squares_scale_and_offset():
+    """For fixed integers, _refit's (lo, scale) minimises the squared error: any nudge of either does worse."""
+    from llmrt.model.quantization.int4 import _refit
+
+    torch.manual_seed(1)
+    g = torch.randn(8, 4, 32)
+    lo0 = g.amin(-1)
+    q = torch.round((g - lo0[..., None]) / ((g.amax(-1) - lo0) / 15)[..., None])  # min-max integers
+    lo, scale = _refit(g, q)
+
+    def err(lo_: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+        return ((q * sc[..., None] + lo_[..., None] - g) ** 2).sum(-1)
+
+    best = err(lo, scale)
+    for d_lo, d_sc in ((1e-3, 0), (-1e-3, 0), (0, 1e-3), (0, -1e-3)):
+        assert (err(lo + d_lo, scale + d_sc) > best).all()
+
+
 # Bounds (top-1 agreement at least, max |logit error| / max |logit| at most), on random 2-layer models. These
 # models amplify weight noise: the same checkpoint in bf16 (8 mantissa bits, like int8's 7 + sign) already
 # moves logits by 2-6% of their range and flips up to 5% of argmaxes. Measured: int8 agreement 0.85-1.0, error
@@ -127,7 +145,8 @@ def test_quality_on_the_embedded_model(embedded_model_dir):
     q8 = quality_of(str(embedded_model_dir), tokens, "int8", ref=ref)
     assert q8.top1_agreement >= 0.98 and q8.perplexity <= base * 1.01, q8  # measured: 0.994, -0.2%
     q4 = quality_of(str(embedded_model_dir), tokens, "int4", group_size=32, ref=ref)
-    assert q4.top1_agreement >= 0.85 and q4.perplexity <= base * 1.10, q4  # measured: 0.90, +7.1%
+    # measured: 0.89, +5.5% (+7.1% before the least-squares refit of scale and zero, which this bound excludes)
+    assert q4.top1_agreement >= 0.85 and q4.perplexity <= base * 1.07, q4
 
 
 def test_packed_and_dequantized_paths_agree(embedded_model_dir):

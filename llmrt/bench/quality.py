@@ -58,6 +58,7 @@ class QualityReport:
     top1_agreement: float  # fraction of positions whose argmax equals the reference's
     max_abs_logit_error: float
     rel_logit_error: float  # max |error| over the reference's max |logit|
+    mean_kl: float  # mean KL(reference || this) of the next-token distributions: steadier than perplexity
     weights_bytes: int
     seconds: float
 
@@ -73,8 +74,10 @@ def compare(label: str, logits: torch.Tensor, ref: torch.Tensor, tokens: list[in
             seconds: float) -> QualityReport:
     """The report of `logits` against `ref`."""
     err = (logits - ref).abs().max().item()
+    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                    reduction="batchmean").item()
     return QualityReport(label, perplexity(logits, tokens), float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
-                         err, err / max(ref.abs().max().item(), 1e-12), weights, seconds)
+                         err, err / max(ref.abs().max().item(), 1e-12), kl, weights, seconds)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     """Score the unquantized model and each quantized configuration on the same tokens."""
     from llmrt.tokenizer import load_tokenizer
 
-    base = ModelConfig(args.model, dtype=args.dtype)
+    base = ModelConfig(args.model, dtype=args.dtype, quantization="none")  # a GGUF dequantized, not its default
     text = Path(args.text).read_text() if args.text else DEFAULT_TEXT
     tokens = load_tokenizer(base.model).encode(text)[: min(args.max_tokens, int(base.max_model_len))]
     t = time.perf_counter()
@@ -109,10 +112,12 @@ def run(args: argparse.Namespace) -> int:
         reports.append(compare(label, logits, ref, tokens, nbytes, time.perf_counter() - t))
     base_ppl = reports[0].perplexity
     print(f"{base.model}: {len(tokens)} tokens")
-    print(f"{'config':<22} {'perplexity':>10} {'ppl +%':>7} {'top-1 agree':>11} {'max |dlogit|':>12} {'weights MiB':>11}")
+    print(f"{'config':<22} {'perplexity':>10} {'ppl +%':>7} {'top-1 agree':>11} {'mean KL':>8} {'max |dlogit|':>12} "
+          f"{'weights MiB':>11}")
     for r in reports:
         print(f"{r.label:<22} {r.perplexity:>10.4f} {100 * (r.perplexity / base_ppl - 1):>7.2f} "
-              f"{r.top1_agreement:>11.4f} {r.max_abs_logit_error:>12.4f} {r.weights_bytes / (1 << 20):>11.2f}")
+              f"{r.top1_agreement:>11.4f} {r.mean_kl:>8.4f} {r.max_abs_logit_error:>12.4f} "
+              f"{r.weights_bytes / (1 << 20):>11.2f}")
     if args.output:
         Path(args.output).write_text(json.dumps({"model": base.model, "tokens": len(tokens),
                                                  "reports": [asdict(r) for r in reports]}, indent=2))
@@ -123,8 +128,8 @@ def quality_of(model_dir: str, tokens: list[int], quantization: Optional[str], k
                group_size: int = 32, ref: Optional[torch.Tensor] = None) -> QualityReport:
     """One configuration against the unquantized float32 model (or `ref`), for tests and scripts."""
     if ref is None:
-        ref, _ = teacher_forced_logits(ModelConfig(model_dir, dtype="float32"), tokens)
-    cfg = ModelConfig(model_dir, dtype="float32", quantization=quantization, quant_group_size=group_size)
+        ref, _ = teacher_forced_logits(ModelConfig(model_dir, dtype="float32", quantization="none"), tokens)
+    cfg = ModelConfig(model_dir, dtype="float32", quantization=quantization or "none", quant_group_size=group_size)
     t = time.perf_counter()
     logits, nbytes = teacher_forced_logits(cfg, tokens, kv_cache_dtype)
     return compare(str(quantization), logits, ref, tokens, nbytes, time.perf_counter() - t)

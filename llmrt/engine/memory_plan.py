@@ -131,7 +131,11 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
     from llmrt.model.quantization import get_quantization_config
 
     arch = (hf_config.get("architectures") or [""])[0]
-    quant = get_quantization_config(quantization, {"group_size": quant_group_size})
+    from llmrt.model.quantization.gptq_awq import checkpoint_quantization
+
+    quantization = quantization or checkpoint_quantization(hf_config)  # a GPTQ/AWQ config.json plans as such
+    quant = get_quantization_config(quantization, {"group_size": quant_group_size,
+                                                   "checkpoint": hf_config.get("quantization_config")})
     model = build_model(hf_config, arch, dtype, dtype, "meta", quant)
     spec = model.kv_cache_spec()
     kv_heads = max(1, spec.num_kv_heads // tp)  # fewer KV heads than ranks: each rank keeps a replica
@@ -155,5 +159,6 @@ def _planned_weight_bytes(model: torch.nn.Module, quant: Any) -> int:
     total = parameter_bytes(model)
     for m in model.modules():
         if isinstance(m, Linear) and type(m.method) is not UnquantizedLinearMethod and quant is not None:
-            total += quant.weight_bytes(m.out_features, m.in_features) - m.weight.numel() * m.weight.element_size()
+            held = sum(p.numel() * p.element_size() for n, p in m.named_parameters(recurse=False) if n != "bias")
+            total += quant.weight_bytes(m.out_features, m.in_features) - held
     return total

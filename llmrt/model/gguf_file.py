@@ -1,20 +1,25 @@
 """GGUF checkpoints (llama.cpp's format) through the `gguf` package: config, tokenizer and weights from one file.
 
-Every tensor is dequantized to float32 at load: Q8_0, Q4_0, Q4_K, Q5_K and Q6_K by our own torch code
-(gguf_quants.py, bit-identical to gguf's reference), every other type gguf can dequantize (F32, F16, BF16, Q4_1,
-Q5_0, Q5_1, Q2_K, Q3_K, IQ*) by `gguf.quants.dequantize`; none stays in its GGUF block layout yet. `--quantization int8|int4` then re-quantizes the decoder layers into our
-layouts, as for any checkpoint. Llama-family architectures only (llama, mistral, qwen2, qwen3).
+Served as int4 (the default for a file of mostly Q4_0/Q4_1/Q4_K decoder weights), those 4-bit tensors keep their
+integers (gguf_int4.py); every other tensor is dequantized to float32 at load: Q8_0, Q4_0, Q4_K, Q5_K and Q6_K by
+our own torch code (gguf_quants.py, bit-identical to gguf's reference), every other type gguf can dequantize (F32,
+F16, BF16, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ*) by `gguf.quants.dequantize`, and the decoder layers are then
+quantized into the configured method (int8 by default for a mostly-Q8_0 file). Llama-family architectures only
+(llama, mistral, qwen2, qwen3).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
 import torch
 
 from llmrt.errors import ModelLoadError, UnsupportedError
-from llmrt.model.gguf_quants import DEQUANTIZERS
+from llmrt.model.gguf_quants import DEQUANTIZERS, INT4_ROWS
+
+if TYPE_CHECKING:
+    from llmrt.model.quantization.gguf_int4 import Int4Rows
 
 # GGUF general.architecture -> the HF architecture our model classes implement.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -92,16 +97,40 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(path: str, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF tensor name, float32 tensor) for every tensor, dequantized by gguf's reference code."""
+def _is_layer_matrix(t: Any) -> bool:
+    """A decoder layer's projection weight (what our Linear layers hold)."""
+    return t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2
+
+
+def gguf_default_quantization(path: str) -> Optional[str]:
+    """The weight method that keeps most decoder-layer matrices of the file as they are: int4 when most are
+    Q4_0/Q4_1/Q4_K, int8 when most are Q8_0 (re-quantized per channel), else None (dequantized)."""
+    types = [t.tensor_type.name for t in _reader(path).tensors if _is_layer_matrix(t)]
+    for method, kinds in (("int4", INT4_ROWS), ("int8", ("Q8_0",))):
+        if types and sum(k in kinds for k in types) * 2 > len(types):
+            return method
+    return None
+
+
+def gguf_tensors(path: str, hf_config: dict[str, Any],
+                 int4_rows: bool = False) -> Iterator[tuple[str, "torch.Tensor | Int4Rows"]]:
+    """(HF tensor name, float32 tensor) for every tensor, dequantized by gguf's reference code; with
+    `int4_rows`, decoder-layer matrices of a 4-bit type come as Int4Rows (their integers, scale, zero)."""
     import gguf
+
+    from llmrt.model.quantization.gguf_int4 import GGUF_GROUP, Int4Rows
 
     reader = _reader(path)
     arch = hf_config["model_type"]
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         ours = DEQUANTIZERS.get(t.tensor_type.name)
-        if ours is not None:
+        rows = INT4_ROWS.get(t.tensor_type.name) if int4_rows and _is_layer_matrix(t) else None
+        if rows is not None:
+            q, scale, zero = rows(torch.from_numpy(np.array(t.data, dtype=np.uint8)))
+            n, k = shape
+            w = Int4Rows(q.reshape(n, k), scale.reshape(n, k // GGUF_GROUP), zero.reshape(n, k // GGUF_GROUP))
+        elif ours is not None:
             w = ours(torch.from_numpy(np.array(t.data, dtype=np.uint8))).reshape(shape)
         else:
             try:
@@ -111,10 +140,13 @@ def gguf_tensors(path: str, hf_config: dict[str, Any]) -> Iterator[tuple[str, to
                                        "dequantized here", param="model")
             w = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
         name = _hf_name(t.name)
+        heads = None
         if arch in ("llama", "mistral") and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _unpermute(w, hf_config["num_attention_heads"])
+            heads = hf_config["num_attention_heads"]
         elif arch in ("llama", "mistral") and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _unpermute(w, hf_config["num_key_value_heads"])
+            heads = hf_config["num_key_value_heads"]
+        if heads is not None:
+            w = w.map_rows(lambda r: _unpermute(r, heads)) if isinstance(w, Int4Rows) else _unpermute(w, heads)
         yield name, w
 
 

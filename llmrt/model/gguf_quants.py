@@ -1,4 +1,5 @@
-"""Our dequantizers of GGUF block types (torch, vectorised over blocks): Q8_0, Q4_0, Q4_K, Q5_K, Q6_K.
+"""Our dequantizers of GGUF block types (torch, vectorised over blocks): Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; and the
+4-bit types (Q4_0, Q4_1, Q4_K) as int4 rows, unchanged integers with a scale and zero per 32 values.
 
 Layouts are llama.cpp's (ggml-quants.c); tests check them bit for bit against `gguf.quants.dequantize`.
 Input: the raw bytes as uint8 [..., n_blocks * block_bytes]; output float32 [..., n_blocks * block_values].
@@ -82,6 +83,38 @@ def dequant_q6_k(raw: torch.Tensor) -> torch.Tensor:
     scale = sc.reshape(-1, 2, 4, 2)[..., None].expand(-1, 2, 4, 2, 16).reshape(-1, 2, 4, 32)
     return (d[:, None, None, None] * scale * q).reshape(-1)
 
+
+def int4_q4_0(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 as (q uint8 [blocks, 32], scale [blocks], zero [blocks]) with w = (q - 8) * scale + zero: zero is 0."""
+    b = _blocks(raw, 18)
+    qs = b[:, 2:]
+    d = _f16(b[:, :2])
+    return torch.cat([qs & 0xF, qs >> 4], dim=1), d, torch.zeros_like(d)
+
+
+def int4_q4_1(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 (blocks of 32: f16 d, f16 m, 16 bytes of nibbles; w = d * q + m) as int4 rows: zero = m + 8 d."""
+    b = _blocks(raw, 20)
+    qs = b[:, 4:]
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    return torch.cat([qs & 0xF, qs >> 4], dim=1), d, m + 8 * d
+
+
+def int4_q4_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K as int4 rows of its 8 sub-blocks of 32 per super-block: scale = d * sc, zero = 8 d sc - dmin * m."""
+    b = _blocks(raw, 144)
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    qs = b[:, 16:].reshape(-1, 4, 32)
+    q = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(-1, 32)
+    scale = (d[:, None] * sc).reshape(-1)
+    return q, scale, 8 * scale - (dmin[:, None] * mn).reshape(-1)
+
+
+# GGUF types whose integers our int4 method keeps as they are (group size 32).
+INT4_ROWS: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+    "Q4_0": int4_q4_0, "Q4_1": int4_q4_1, "Q4_K": int4_q4_k,
+}
 
 DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q8_0": dequant_q8_0, "Q4_0": dequant_q4_0, "Q4_K": dequant_q4_k, "Q5_K": dequant_q5_k, "Q6_K": dequant_q6_k,

@@ -20,6 +20,7 @@ from llmrt.model.models.base import CausalLM
 from llmrt.model.layers.weights import weight_loader_of
 from llmrt.model.models.registry import resolve_architecture
 from llmrt.model.quantization import QuantizationConfig, get_quantization_config
+from llmrt.model.quantization.gguf_int4 import GgufInt4Config
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +51,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def checkpoint_tensors(path: Path, hf_config: dict) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """(HF tensor name, a function reading it) for a safetensors directory or a GGUF file."""
+def checkpoint_tensors(path: Path, hf_config: dict,
+                       int4_rows: bool = False) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(HF tensor name, a function reading it) for a safetensors directory or a GGUF file (`int4_rows`: its
+    4-bit decoder weights as Int4Rows instead of dequantized)."""
     if is_gguf(str(path)):
-        for name, tensor in gguf_tensors(str(path), hf_config):
+        for name, tensor in gguf_tensors(str(path), hf_config, int4_rows):
             yield name, (lambda t=tensor: t)
         return
     for file in checkpoint_files(path):
@@ -74,7 +77,11 @@ def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
     """Build the model for `model_cfg` on `device` and fill it from the checkpoint."""
     arch = model_cfg.architecture
     dtype = model_cfg.torch_dtype
-    quant = get_quantization_config(model_cfg.quantization, {"group_size": model_cfg.quant_group_size})
+    quant = get_quantization_config(model_cfg.quantization, model_cfg.quant_options())
+    # A GGUF served as int4 with its own block size keeps its 4-bit tensors' integers (gguf_int4.py).
+    int4_rows = is_gguf(model_cfg.model) and model_cfg.quantization == "int4" and model_cfg.quant_group_size == 32
+    if int4_rows:
+        quant = GgufInt4Config()
     try:
         model = build_model(model_cfg.hf_config, arch, dtype, compute_dtype(device, dtype), device, quant)
     except KeyError as e:
@@ -83,7 +90,7 @@ def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
     for module in model.modules():
         if isinstance(module, Linear):
             module.native_max_rows = native_rows
-    load_weights(model, Path(model_cfg.model))
+    load_weights(model, Path(model_cfg.model), int4_rows)
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.process_weights_after_loading(module)
@@ -101,7 +108,7 @@ def _target(model: CausalLM, hf_name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_weights(model: CausalLM, model_dir: Path) -> None:
+def load_weights(model: CausalLM, model_dir: Path, int4_rows: bool = False) -> None:
     """Hand every checkpoint tensor to its parameter's weight_loader; name any tensor missing or misshapen."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = model.tied_parameters()
@@ -111,7 +118,9 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
             continue
         module = model.get_submodule(name.rsplit(".", 1)[0])
         sizes = getattr(module, "output_sizes", [p.shape[0]])
-        if name.endswith("weight") or name.endswith("bias"):
+        if getattr(p, "checkpoint_optional", False):
+            continue
+        if name.endswith("weight") or name.endswith("bias") or getattr(p, "loads_by_shard", False):
             shards = range(len(sizes)) if len(sizes) > 1 and _is_packed(model, name) else [None]
         else:
             shards = [None]
@@ -120,7 +129,7 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     loaded: set[tuple[str, int | None]] = set()
     unexpected: list[str] = []
     with tqdm(desc="loading weights", unit="tensor", disable=None, leave=False) as bar:
-        for hf_name, get in checkpoint_tensors(model_dir, model.hf_config):
+        for hf_name, get in checkpoint_tensors(model_dir, model.hf_config, int4_rows):
             bar.update(1)
             if hf_name.endswith(model.ignored_suffixes):
                 continue

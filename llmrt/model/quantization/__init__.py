@@ -6,10 +6,12 @@ from typing import Any, Optional
 from llmrt.errors import UnsupportedError
 from llmrt.model.quantization.base import QuantizationConfig
 from llmrt.model.quantization.fp8 import Fp8Config
+from llmrt.model.quantization.gptq_awq import AwqConfig, GptqConfig
 from llmrt.model.quantization.int4 import Int4Config
 from llmrt.model.quantization.int8 import Int8Config
 
-QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {c.name: c for c in (Int8Config, Int4Config, Fp8Config)}
+QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {c.name: c for c in (Int8Config, Int4Config, Fp8Config, GptqConfig,
+                                                                              AwqConfig)}
 
 
 def get_quantization_config(name: Optional[str], options: Optional[dict[str, Any]] = None) -> Optional[QuantizationConfig]:

@@ -1,0 +1,186 @@
+"""llmrt vs llama.cpp on the same quantized weights: single-stream TPOT of the peers' 124.7M Llama in GGUF Q8_0 and
+Q4_0 (the peers harness's W2: 256-token prompt, 128 greedy tokens, TPOT = (t_last - t_first) / 127).
+
+The Q8_0/Q4_0 files are made here from the peers' F32 GGUF with the `gguf` package's quantizer (bit-identical to
+llama.cpp's): every decoder-layer matrix quantized, token_embd and output left F32 (llmrt keeps embeddings and LM
+head unquantized, so both sides compute the same head). llmrt serves Q4_0 as int4 with the file's integers
+(exact) and Q8_0 as int8 re-quantized per channel (its defaults for such files). llama.cpp runs through
+llama-cpp-python (n_threads=2) in its own virtualenv, one subprocess per round; the rounds alternate
+llama.cpp/llmrt per file and each figure is the best of the rounds.
+
+Run after the peers set-up (/work/shared/peers/README.md):
+  PYTHONPATH=. python benchmarks/quantization_vs_llamacpp.py [--rounds 3]
+  -> benchmarks/quantization-vs-llamacpp.json + .md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PEERS = Path("/tmp/peers")
+QTYPES = ("Q8_0", "Q4_0")
+
+
+def llama_worker(gguf_path: str, prompt: list[int], new: int) -> dict:
+    """(Runs under llama-cpp-python) one warm-up, then one W2 run: TTFT, TPOT, the first 16 tokens."""
+    import llama_cpp
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf_path, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=2, n_threads_batch=2,
+                seed=0, verbose=False)
+
+    def run(p: list[int], n: int) -> tuple[float, list[float], list[int]]:
+        llm.reset()
+        t0, stamps, toks = time.perf_counter(), [], []
+        for tok in llm.generate(p, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            stamps.append(time.perf_counter())
+            toks.append(tok)
+            if len(stamps) == n:
+                break
+        return t0, stamps, toks
+
+    run(prompt[:32], 4)
+    t0, s, toks = run(prompt, new)
+    return {"ttft_ms": (s[0] - t0) * 1e3, "tpot_ms": (s[-1] - s[0]) / (new - 1) * 1e3, "tokens": toks[:16],
+            "version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode()}
+
+
+def quantize_gguf(src: Path, qname: str, out: Path) -> None:
+    """A copy of the F32 GGUF `src` with every decoder-layer matrix quantized to `qname` by gguf's quantizer."""
+    import gguf
+    import numpy as np
+
+    qtype = getattr(gguf.GGMLQuantizationType, qname)
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type if data.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def llmrt_w2(llm, prompt: list[int], new: int) -> dict:
+    """One W2 run through the offline API: TTFT from a 1-token request, TPOT from the rest of a `new`-token one."""
+    from llmrt.sampling_params import SamplingParams
+
+    t = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
+    ttft = time.perf_counter() - t
+    t = time.perf_counter()
+    out = llm.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True), use_tqdm=False)
+    total = time.perf_counter() - t
+    return {"ttft_ms": ttft * 1e3, "tpot_ms": (total - ttft) / (new - 1) * 1e3,
+            "tokens": list(out[0].outputs[0].token_ids[:16])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--src", default=str(PEERS / "models" / "llama-syn-f32.gguf"))
+    ap.add_argument("--workload", default=str(PEERS / "models" / "workload.json"))
+    ap.add_argument("--llama-python", default=str(PEERS / "venv-llama" / "bin" / "python"))
+    ap.add_argument("--cache", default=str(PEERS / "quant"), help="where the Q8_0/Q4_0 GGUFs are written")
+    args = ap.parse_args()
+
+    from llmrt.bench.report import load_average, machine_info, now_iso
+    from llmrt.engine.llm import LLM
+    from llmrt.hardware import cpu_flags
+
+    w2 = json.loads(Path(args.workload).read_text())["W2"]
+    prompt, new = w2["prompt"], w2["max_new_tokens"]
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for q in QTYPES:
+        files[q] = cache / f"llama-syn-{q}.gguf"
+        if not files[q].is_file():
+            print(f"quantizing {args.src} -> {files[q]}", file=sys.stderr, flush=True)
+            quantize_gguf(Path(args.src), q, files[q])
+    llms = {q: LLM(str(files[q]), max_model_len=1024, kv_cache_memory=256 << 20) for q in QTYPES}
+    methods = {q: llms[q].config.model.quantization for q in QTYPES}
+    runs: dict[str, list[dict]] = {f"{side} {q}": [] for q in QTYPES for side in ("llama.cpp", "llmrt")}
+    loads = [load_average()]
+    for r in range(args.rounds):
+        for q in QTYPES:
+            cmd = [args.llama_python, __file__, "--llama-worker", str(files[q]), args.workload]
+            res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            runs[f"llama.cpp {q}"].append(res)
+            llmrt_w2(llms[q], prompt[:32], 4)  # warm-up, as llama.cpp's
+            runs[f"llmrt {q}"].append(llmrt_w2(llms[q], prompt, new))
+            print(f"round {r} {q}: llama.cpp TPOT {res['tpot_ms']:.2f} ms, llmrt ({methods[q]}) "
+                  f"{runs[f'llmrt {q}'][-1]['tpot_ms']:.2f} ms, load {load_average()}", flush=True)
+        loads.append(load_average())
+    best = {k: min(v, key=lambda x: x["tpot_ms"]) for k, v in runs.items()}
+    rows = []
+    for q in QTYPES:
+        lc, ours = best[f"llama.cpp {q}"], best[f"llmrt {q}"]
+        same = sum(a == b for a, b in zip(lc["tokens"], ours["tokens"]))
+        rows.append({"gguf": q, "llmrt_method": methods[q], "llama_cpp_tpot_ms": lc["tpot_ms"],
+                     "llmrt_tpot_ms": ours["tpot_ms"], "tpot_ratio": ours["tpot_ms"] / lc["tpot_ms"],
+                     "llama_cpp_ttft_ms": lc["ttft_ms"], "llmrt_ttft_ms": ours["ttft_ms"],
+                     "first16_equal": same, "llama_cpp_tokens": lc["tokens"], "llmrt_tokens": ours["tokens"]})
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True).stdout.strip())
+    result = {"date": now_iso(), "commit": commit + ("+changes" if dirty else ""), "machine": machine_info(),
+              "isa_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "amx", "f16c"))),
+              "load_average": loads, "rounds": args.rounds, "prompt_tokens": len(prompt), "new_tokens": new,
+              "llama_cpp": {k: runs[f"llama.cpp {QTYPES[0]}"][0][k] for k in ("version", "system_info")},
+              "results": rows, "runs": runs}
+    Path("benchmarks/quantization-vs-llamacpp.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_markdown(result)
+    for row in rows:
+        print(f"{row['gguf']}: llama.cpp {row['llama_cpp_tpot_ms']:.2f} ms, llmrt {row['llmrt_method']} "
+              f"{row['llmrt_tpot_ms']:.2f} ms -> {row['tpot_ratio']:.2f}x; first 16 tokens equal: "
+              f"{row['first16_equal']}")
+
+
+def write_markdown(result: dict) -> None:
+    """benchmarks/quantization-vs-llamacpp.md: the table and how it was measured."""
+    m = result["machine"]
+    lines = ["# llmrt vs llama.cpp on the same quantized weights", "",
+             f"`benchmarks/quantization_vs_llamacpp.py`, {result['date']}, llmrt commit `{result['commit']}`, "
+             f"llama-cpp-python {result['llama_cpp']['version']}.", "",
+             f"Machine: {m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}; ISA flags "
+             f"{', '.join(result['isa_flags'])}; load average {result['load_average']} (1-minute, before and "
+             f"after each round: other jobs shared the cores). llama.cpp system info: "
+             f"`{result['llama_cpp']['system_info'].strip()}`.", "",
+             f"The peers' 124.7M Llama, W2: {result['prompt_tokens']}-token prompt, {result['new_tokens']} greedy "
+             f"tokens, single stream; best of {result['rounds']} alternating rounds.", "",
+             "| GGUF | llmrt method | llama.cpp TPOT ms | llmrt TPOT ms | llmrt / llama.cpp | llama.cpp TTFT ms | "
+             "llmrt TTFT ms | first 16 tokens equal |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["results"]:
+        lines.append(f"| {r['gguf']} | {r['llmrt_method']} | {r['llama_cpp_tpot_ms']:.2f} | {r['llmrt_tpot_ms']:.2f} "
+                     f"| {r['tpot_ratio']:.2f}x | {r['llama_cpp_ttft_ms']:.1f} | {r['llmrt_ttft_ms']:.1f} | "
+                     f"{r['first16_equal']}/16 |")
+    lines += ["", "Target (issue 16): llmrt TPOT <= 1.0x llama.cpp's on the same weights. Q4_0 runs as llmrt int4 "
+              "with the file's own integers; Q8_0 as int8 re-quantized per output channel (one scale per row "
+              "instead of one per 32 values). Token agreement is informative only: random weights, and the two "
+              "compute in different precisions (llama.cpp quantizes activations to 8 bits in its Q4_0/Q8_0 dot "
+              "products; llmrt's kernels take bf16 activations).", ""]
+    Path("benchmarks/quantization-vs-llamacpp.md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--llama-worker":
+        wl = json.loads(Path(sys.argv[3]).read_text())["W2"]
+        print(json.dumps(llama_worker(sys.argv[2], wl["prompt"], wl["max_new_tokens"])))
+    else:
+        main()
