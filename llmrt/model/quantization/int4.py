@@ -56,6 +56,22 @@ def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
     return torch.stack([p & 0xF, p >> 4], dim=-1).view(p.shape[0], -1)
 
 
+def pack_int4_chunks(q: torch.Tensor) -> torch.Tensor:
+    """int [N, K] in [0, 15], K a multiple of 32 -> uint8 [N, K/2], the layout of llmrt's int4 kernel: per chunk
+    of 32 inputs, byte c holds q[c] in its low nibble and q[c + 16] in its high one (one 16-byte load unpacks to
+    two runs of 16 consecutive inputs)."""
+    n, k = q.shape
+    c = q.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4_chunks(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4_chunks: uint8 [N, K/2] -> uint8 [N, K]."""
+    n = p.shape[0]
+    c = p.view(n, -1, 16)
+    return torch.stack([c & 0xF, c >> 4], dim=2).view(n, -1)
+
+
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                     dtype: torch.dtype) -> torch.Tensor:
     """The [N, K] weights in `dtype` from the plain nibble layout."""
