@@ -30,6 +30,9 @@ ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
                "-DLLMRT_AVX512"],
 }
+# Steps of up to this many rows run our kernel; larger ones torch's GEMM (int8/int4 weights dequantized into one
+# reused buffer first). Chosen from benchmarks/linear-kernels.md (per format, on the 110m model's layer shapes).
+MAX_ROWS = {"bf16": 16, "int8": 16, "int4": 16}
 ISA_NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq")}
 
 
@@ -44,6 +47,7 @@ class KernelLib:
     linear_bf16: Callable[..., torch.Tensor]
     linear_int8: Callable[..., torch.Tensor]
     linear_int4: Callable[..., torch.Tensor]
+    dequantize_int4: Callable[..., None]
 
 
 def cache_root() -> Path:
@@ -67,7 +71,7 @@ def build_dir(isa: str) -> Path:
 def _ops(isa: str, path: Path, how: str, seconds: float) -> KernelLib:
     ns = getattr(torch.ops, f"llmrt_{isa}")
     return KernelLib(isa, path, how, seconds, ns.linear_bf16.default, ns.linear_int8.default,
-                     ns.linear_int4.default)
+                     ns.linear_int4.default, ns.dequantize_int4.default)
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,3 +120,12 @@ def kernels() -> Optional[KernelLib]:
     logger.info("llmrt kernels (%s) %s in %.2f s: %s", lib.isa, "loaded from cache" if lib.how == "cached"
                 else "compiled", lib.seconds, lib.path)
     return lib
+
+
+def for_layer(fmt: str, weight: torch.Tensor) -> tuple[Optional[KernelLib], int]:
+    """(kernels, max rows) for a layer of format `fmt` ("bf16", "int8", "int4") whose weights are `weight`;
+    (None, 0) where torch's paths compute it (not a CPU tensor, or no kernels)."""
+    if weight.device.type != "cpu":
+        return None, 0
+    lib = kernels()
+    return (lib, MAX_ROWS[fmt]) if lib is not None else (None, 0)

@@ -5,7 +5,8 @@
 // same reduction order whatever M is, so a row's result does not depend on what else is in the batch.
 // One source, compiled once per ISA (LLMRT_AVX512 or AVX2+FMA); the op namespace is LLMRT_NS so that both
 // builds can be loaded into one process (tests compare them).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -106,12 +107,18 @@ inline void dot_tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int6
       for (int j = 0; j < nb; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
     }
   }
-  for (int i = 0; i < mb; ++i)
-    for (int j = 0; j < nb; ++j) {
-      float s = vsum(acc[i][j]);
-      for (int64_t t = k; t < K; ++t) s += x[i * ldx + t] * to_f(w[j * ldw + t]);
-      out[i][j] = s;
+  if (k < K) {  // the tail as one more zero-padded vector step: the same arithmetic whatever WT is
+    alignas(64) float wt[nb][VL] = {}, xt[VL] = {};
+    for (int j = 0; j < nb; ++j)
+      for (int64_t t = k; t < K; ++t) wt[j][t - k] = to_f(w[j * ldw + t]);
+    for (int i = 0; i < mb; ++i) {
+      for (int64_t t = k; t < K; ++t) xt[t - k] = x[i * ldx + t];
+      const vf xv = vload(xt);
+      for (int j = 0; j < nb; ++j) acc[i][j] = vfma(xv, vload(wt[j]), acc[i][j]);
     }
+  }
+  for (int i = 0; i < mb; ++i)
+    for (int j = 0; j < nb; ++j) out[i][j] = vsum(acc[i][j]);
 }
 
 // int4: K is a multiple of 32 (padded at load), gs a multiple of 32. Per 32-chunk, 16 bytes: byte c holds
@@ -370,6 +377,35 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
+void dequantize_int4(const at::Tensor& packed, const at::Tensor& sz, int64_t group_size, at::Tensor out) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+              sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && group_size % 32 == 0,
+              "llmrt kernels: dequantize_int4 wants packed uint8 [out, in/2], bf16 sz, a group size multiple of 32");
+  const int64_t N = packed.size(0), Kp = packed.size(1) * 2, G = Kp / group_size;
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == N && out.size(1) == Kp &&
+              (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "llmrt kernels: out must be contiguous float32/bfloat16 [", N, ", ", Kp, "]");
+  Int4Tile tile{nullptr, 0, packed.data_ptr<uint8_t>(), Kp, reinterpret_cast<const uint16_t*>(sz.data_ptr()), G,
+                group_size};
+  const bool f32 = out.scalar_type() == at::kFloat;
+  float* of = f32 ? out.data_ptr<float>() : nullptr;
+  c10::BFloat16* ob = f32 ? nullptr : out.data_ptr<c10::BFloat16>();
+  const int64_t blocks = (N + NB - 1) / NB;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, (int64_t(64) << 10) / (NB * Kp / 2)), [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<float> panel;
+    panel.resize(NB * Kp);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB, nb = std::min<int64_t>(NB, N - n0);
+      if (f32) {
+        tile.panel(n0, nb, of + n0 * Kp);
+        continue;
+      }
+      tile.panel(n0, nb, panel.data());
+      for (int64_t t = 0; t < nb * Kp; ++t) ob[n0 * Kp + t] = c10::BFloat16(panel[t]);
+    }
+  });
+}
+
 std::string isa() {
 #if defined(LLMRT_AVX512)
   return "avx512";
@@ -385,5 +421,6 @@ LLMRT_LIBRARY(LLMRT_NS, m) {
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", &linear_bf16);
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor", &linear_int8);
   m.def("linear_int4(Tensor x, Tensor packed, Tensor sz, int group_size, Tensor? bias) -> Tensor", &linear_int4);
+  m.def("dequantize_int4(Tensor packed, Tensor sz, int group_size, Tensor(a!) out) -> ()", &dequantize_int4);
   m.def("isa() -> str", &isa);
 }

@@ -1,8 +1,10 @@
 """Weight-only int4: asymmetric group-wise (a scale and a zero per group of input weights), packed two per byte.
 
-On CPU, layers whose output size is a multiple of 16 keep torch's packed layout and use its int4 kernel with
-bf16 activations for every step (it beat dequantize-then-matmul at every size measured, docs/quantization.md).
-Elsewhere (CUDA, odd sizes) the nibbles are packed plainly and dequantized to the compute dtype per matmul.
+On CPU with llmrt's kernels (llmrt/kernels), the nibbles are packed in their layout (`pack_int4_chunks`) with
+bf16 scales and zeros: small steps run the kernel, larger ones dequantize into one reused buffer and run the
+compute dtype's GEMM. Without them, layers whose output size is a multiple of 16 keep torch's packed layout and
+use its int4 kernel with bf16 activations for every step; elsewhere (CUDA, odd sizes) the nibbles are packed
+plainly and dequantized to the compute dtype per matmul.
 Values follow tinygemm's convention: w = (q - 8) * scale + zero, q in [0, 15].
 """
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmrt.model.layers.linear import UnquantizedLinearMethod
+from llmrt.model.layers.linear import UPCAST, UnquantizedLinearMethod, use_kernel
 from llmrt.model.quantization.base import QuantizationConfig
 
 if TYPE_CHECKING:
@@ -95,8 +97,14 @@ class Int4LinearMethod(UnquantizedLinearMethod):
         w = F.pad(w, (0, layer.int4_in_pad))
         q, scale, zero = quantize_int4(w, self.group_size)
         del layer.weight
-        layer.int4_torch_packed = w.device.type == "cpu" and n % 16 == 0
-        if layer.int4_torch_packed:
+        from llmrt.kernels import for_layer
+
+        layer.kernels, layer.kernel_max_rows = for_layer("int4", w) if self.group_size % 32 == 0 else (None, 0)
+        layer.int4_torch_packed = layer.kernels is None and w.device.type == "cpu" and n % 16 == 0
+        if layer.kernels is not None:
+            layer.qweight = nn.Parameter(pack_int4_chunks(q), requires_grad=False)
+            layer.scales_zeros = nn.Parameter(torch.stack([scale, zero], dim=-1).bfloat16(), requires_grad=False)
+        elif layer.int4_torch_packed:
             layer.qweight = nn.Parameter(torch._convert_weight_to_int4pack_for_cpu(q, 1), requires_grad=False)
             sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
             layer.scales_zeros = nn.Parameter(sz.bfloat16(), requires_grad=False)
@@ -107,6 +115,15 @@ class Int4LinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         out_dtype, b = x.dtype, layer.bias
+        if layer.kernels is not None:
+            if use_kernel(layer, x):  # pads x itself
+                return layer.kernels.linear_int4(x, layer.qweight, layer.scales_zeros, self.group_size, b)
+            n, kp = layer.qweight.shape[0], layer.qweight.shape[1] * 2
+            dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
+            w = UPCAST.buffer((n, kp), dtype, x.device)
+            layer.kernels.dequantize_int4(layer.qweight, layer.scales_zeros, self.group_size, w)
+            x = F.pad(x, (0, layer.int4_in_pad)) if layer.int4_in_pad else x
+            return F.linear(x.to(dtype), w, b.to(dtype) if b is not None else None).to(out_dtype)
         if layer.int4_in_pad:
             x = F.pad(x, (0, layer.int4_in_pad))
         if layer.int4_torch_packed:
