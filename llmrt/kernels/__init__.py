@@ -13,6 +13,8 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
+import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +33,11 @@ ISA_FLAGS = {
                "-DLLMRT_AVX512"],
 }
 # Steps of up to this many rows run our kernel; larger ones torch's GEMM (int8/int4 weights dequantized into one
-# reused buffer first). Chosen from benchmarks/linear-kernels.md (per format, on the 110m model's layer shapes).
-MAX_ROWS = {"bf16": 16, "int8": 16, "int4": 16}
+# reused buffer first). Chosen from benchmarks/linear-kernels.md (110m layer shapes): ours is 2-5x faster than
+# torch's bf16/fp32 for 1-8 rows; at 16 rows torch's native bf16 GEMM (AVX512-BF16) wins, the fp32 upcast that
+# emulated bf16 takes does not; for int8/int4 ours matched or beat torch's packed kernels and dequantize+GEMM
+# up to 64 rows. "bf16 upcast": bf16 weights on a CPU without bf16 arithmetic (activations are fp32).
+MAX_ROWS = {"bf16": 8, "bf16 upcast": 16, "int8": 64, "int4": 64}
 ISA_NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq")}
 
 
@@ -90,6 +95,9 @@ def load(isa: str) -> KernelLib:
         return _ops(isa, path, "cached", time.perf_counter() - t)
     from torch.utils import cpp_extension  # imported only to compile: it pulls in setuptools
 
+    if shutil.which("ninja") is None:  # pip's ninja lands beside this Python, which may not be on PATH
+        os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", "")
+    logger.warning("compiling llmrt kernels (%s) into %s: once per source and ISA, about a minute", isa, d)
     d.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_cflags(isa), extra_ldflags=["-fopenmp"],
                        build_directory=str(d), is_python_module=False, verbose=False)
@@ -123,7 +131,7 @@ def kernels() -> Optional[KernelLib]:
 
 
 def for_layer(fmt: str, weight: torch.Tensor) -> tuple[Optional[KernelLib], int]:
-    """(kernels, max rows) for a layer of format `fmt` ("bf16", "int8", "int4") whose weights are `weight`;
+    """(kernels, max rows) for a layer of format `fmt` (a MAX_ROWS key) whose weights are `weight`;
     (None, 0) where torch's paths compute it (not a CPU tensor, or no kernels)."""
     if weight.device.type != "cpu":
         return None, 0

@@ -83,7 +83,8 @@ class UnquantizedLinearMethod(LinearMethod):
         if layer.weight.dtype == torch.bfloat16 and layer.weight.is_contiguous():
             from llmrt.kernels import for_layer
 
-            layer.kernels, layer.kernel_max_rows = for_layer("bf16", layer.weight)
+            upcast = layer.compute_dtype not in (None, torch.bfloat16)
+            layer.kernels, layer.kernel_max_rows = for_layer("bf16 upcast" if upcast else "bf16", layer.weight)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         w, b = layer.weight, layer.bias
