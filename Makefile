@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast bench browser clean
+.PHONY: install kernels run test test-fast bench browser clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -15,15 +15,20 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# llmrt's C++ linear kernels, compiled once per source and ISA into ~/.cache/llmrt/kernels (a cached build
+# only loads), so that tests and the first request do not pay the compile; failures leave torch's paths.
+kernels: $(STAMP)
+	-$(PY) -m llmrt.kernels
 
-run: $(STAMP)
+install: $(STAMP) kernels
+
+run: $(STAMP) kernels
 	$(VENV)/bin/llmrt generate --prompt "Once upon a time" --max-tokens 60 --temperature 0
 	@echo
 	@echo "Serving the embedded model (Ctrl-C stops it); the line below says how to call it."
 	$(VENV)/bin/llmrt serve --port $${PORT:-8000}
 
-test: $(STAMP) browser
+test: $(STAMP) kernels browser
 	$(PY) -m pytest -q -ra
 
 # The dashboard test drives Debian's headless Chromium through chromedriver.
@@ -33,7 +38,7 @@ browser:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver; \
 	fi
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) kernels
 	$(PY) -m pytest -q -ra -m "not slow"
 
 bench: $(STAMP)

@@ -1,16 +1,26 @@
 """Quantization benchmark: the random 110m Llama, single-stream TPOT and batch throughput for fp32, bf16, int8,
 int4 (and int8 KV), weights and KV memory. All configurations live in one process and alternate rounds; best-of.
 
-Run: PYTHONPATH=. python benchmarks/quantization.py [--rounds 3]  -> benchmarks/quantization.json + .md
+With --torch-paths, every configuration is also built with LLMRT_KERNELS=0 (torch's own matmul paths, the
+"before" of llmrt/kernels) and measured in the same alternating rounds, labelled "... (torch)".
+
+Run: PYTHONPATH=. python benchmarks/quantization.py [--rounds 3] [--torch-paths]
+  -> benchmarks/quantization-*.json + quantization.md
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 
+import torch
+
+import llmrt.kernels
 from llmrt.bench.random_model import build_random_llama, default_cache_dir, is_complete
 from llmrt.bench.report import load_average, machine_info, now_iso, write_results
 from llmrt.engine.llm import LLM
+from llmrt.hardware import describe_device
 from llmrt.sampling_params import SamplingParams
 
 CONFIGS = {  # label -> LLM options
@@ -27,11 +37,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--model", help="a checkpoint directory instead of the random 110m model")
+    ap.add_argument("--name", default="quantization", help="prefix of the result files and table")
+    ap.add_argument("--torch-paths", action="store_true", help="also measure every config with LLMRT_KERNELS=0")
     args = ap.parse_args()
-    path = default_cache_dir() / "110m-float32"
-    if not is_complete(path):
+    path = Path(args.model) if args.model else default_cache_dir() / "110m-float32"
+    if not args.model and not is_complete(path):
         build_random_llama("110m", str(path))
-    llms = {k: LLM(str(path), max_model_len=1024, kv_cache_memory=64 << 20, **v) for k, v in CONFIGS.items()}
+    llms = {}
+    for paths in (("torch", "ours") if args.torch_paths else ("ours",)):
+        os.environ["LLMRT_KERNELS"] = "0" if paths == "torch" else "auto"
+        llmrt.kernels.kernels.cache_clear()
+        for k, v in CONFIGS.items():
+            label = f"{k} (torch)" if paths == "torch" else k
+            llms[label] = LLM(str(path), max_model_len=1024, kv_cache_memory=64 << 20, **v)
+    lib = llmrt.kernels.kernels()
     prompt = list(range(10, 42))
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     many = SamplingParams(max_tokens=args.tokens + 1, temperature=0, ignore_eos=True)
@@ -52,7 +72,7 @@ def main() -> None:
             b["tpot_ms"], b["throughput_tok_s"] = min(b["tpot_ms"], tpot), max(b["throughput_tok_s"], thr)
             print(f"round: {label} TPOT {tpot:.1f} ms, batch {thr:.1f} tok/s, load {load_average()}", flush=True)
         loads.append(load_average())
-    full = min(best["fp32"]["tpot_ms"], best["bf16"]["tpot_ms"])
+    full = min(best[k]["tpot_ms"] for k in ("fp32", "bf16", "fp32 (torch)", "bf16 (torch)") if k in best)
     rows = {}
     for label, llm in llms.items():
         m = llm.engine.memory
@@ -60,15 +80,17 @@ def main() -> None:
                        "weights_MiB": m.weights_bytes / (1 << 20), "kv_B_per_token": m.kv_bytes_per_token,
                        "kv_MiB_at_1k_ctx": m.kv_bytes_per_token * 1024 / (1 << 20),
                        "max_seqs_at_1k_in_64MiB": m.max_concurrent_sequences(1024)}
-    result = {"date": now_iso(), "machine": machine_info(), "load_average": loads, "rounds": args.rounds,
-              "tokens": args.tokens, "batch": args.batch, "results": rows, "dtype": "mixed"}
+    result = {"date": now_iso(), "machine": machine_info(), "isa": describe_device(torch.device("cpu")),
+              "kernels": lib.isa if lib else None, "load_average": loads, "rounds": args.rounds,
+              "model": str(path), "tokens": args.tokens, "batch": args.batch, "results": rows, "dtype": "mixed"}
     for label, r in rows.items():
         print(f"{label:<16} TPOT {r['tpot_ms']:7.2f} ms ({r['tpot_vs_best_full']:.2f}x)  batch {r['throughput_tok_s']:7.1f} "
               f"tok/s  weights {r['weights_MiB']:7.1f} MiB  KV {r['kv_B_per_token']} B/token  "
               f"seqs@1k {r['max_seqs_at_1k_in_64MiB']}")
     print("load average", loads)
     for label, r in rows.items():
-        write_results(f"quantization-{label.replace(' ', '-').replace('+', '')}", result, table="quantization",
+        slug = label.replace(" ", "-").replace("+", "").replace("(", "").replace(")", "")
+        write_results(f"{args.name}-{slug}", result, table=args.name,
                       summary={"config": label, "TPOT ms": round(r["tpot_ms"], 2),
                                "vs best full": round(r["tpot_vs_best_full"], 2),
                                "batch tok/s": round(r["throughput_tok_s"], 1), "weights MiB": round(r["weights_MiB"], 1),

@@ -71,6 +71,16 @@ def native_half_max_rows(device: torch.device, dtype: torch.dtype) -> int:
     return 2
 
 
+def kernel_isa(flags: frozenset[str] | None = None) -> str | None:
+    """Which build of llmrt's own matmul kernels (llmrt/kernels) this CPU runs: avx512, avx2, or None."""
+    flags = cpu_flags() if flags is None else flags
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return None
+
+
 @dataclass
 class DeviceInfo:
     """A summary of the device for logs and benchmark reports."""

@@ -1,6 +1,7 @@
 """Linear layers: plain and fused (several HF projections stored as one matmul), computed by a LinearMethod."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -23,19 +24,30 @@ class _UpcastWorkspace:
     def __init__(self) -> None:
         self._bufs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor of `shape` in the shared buffer (valid until the next call)."""
+        numel = math.prod(shape)
+        key = (device, dtype)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._bufs[key] = buf
+        return buf[:numel].view(shape)
+
     def cast(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`w` converted to `dtype`, in the shared buffer (valid until the next call)."""
-        key = (w.device, dtype)
-        buf = self._bufs.get(key)
-        if buf is None or buf.numel() < w.numel():
-            buf = torch.empty(w.numel(), dtype=dtype, device=w.device)
-            self._bufs[key] = buf
-        out = buf[: w.numel()].view(w.shape)
+        out = self.buffer(tuple(w.shape), dtype, w.device)
         out.copy_(w)
         return out
 
 
 UPCAST = _UpcastWorkspace()
+KERNEL_X_DTYPES = (torch.float32, torch.bfloat16)  # activations llmrt's kernels take
+
+
+def use_kernel(layer: "Linear", x: torch.Tensor) -> bool:
+    """Whether this step of `layer` runs llmrt's own kernel (chosen at load, by rows, for 2-D fp32/bf16 x)."""
+    return x.dim() == 2 and x.shape[0] <= layer.kernel_max_rows and x.dtype in KERNEL_X_DTYPES
 
 
 class LinearMethod:
@@ -54,8 +66,10 @@ class LinearMethod:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """Weights in the model dtype. On CPUs that emulate bf16/fp16 matmuls, computes in the compute dtype
-    through one reused upcast buffer, except for steps of at most `native_max_rows` rows (memory-bound)."""
+    """Weights in the model dtype. bf16 weights on CPU: steps of up to `kernel_max_rows` rows run llmrt's own
+    kernel (llmrt/kernels: streams the bf16 weights once, fp32 accumulation). Otherwise, on CPUs that emulate
+    bf16/fp16 matmuls, computes in the compute dtype through one reused upcast buffer, except for steps of at most
+    `native_max_rows` rows (memory-bound)."""
 
     def create_weights(self, layer: "Linear", in_features: int, out_features: int, bias: bool) -> None:
         layer.weight = set_weight_loader(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False),
@@ -65,8 +79,17 @@ class UnquantizedLinearMethod(LinearMethod):
             layer.bias = set_weight_loader(nn.Parameter(torch.empty(out_features), requires_grad=False),
                                            layer.weight_loader)
 
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        if layer.weight.dtype == torch.bfloat16 and layer.weight.is_contiguous():
+            from llmrt.kernels import for_layer
+
+            upcast = layer.compute_dtype not in (None, torch.bfloat16)
+            layer.kernels, layer.kernel_max_rows = for_layer("bf16 upcast" if upcast else "bf16", layer.weight)
+
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         w, b = layer.weight, layer.bias
+        if use_kernel(layer, x):
+            return layer.kernels.linear_bf16(x, w, b)
         if layer.compute_dtype is not None and w.dtype != layer.compute_dtype:
             if x.shape[0] <= layer.native_max_rows:
                 return F.linear(x.to(w.dtype), w, b).to(layer.compute_dtype)
@@ -87,6 +110,8 @@ class Linear(nn.Module):
         self.compute_dtype = compute_dtype
         self.native_max_rows = 0  # see hardware.native_half_max_rows; set by the loader for the device
         self.row_tile = 0  # > 0: --deterministic, matmuls on fixed-size row tiles (model/layers/batch_invariant.py)
+        self.kernels = None  # llmrt.kernels.KernelLib when the method chose our kernels (process_weights_after_loading)
+        self.kernel_max_rows = 0  # steps of up to this many rows run them
         self.method: LinearMethod = quant_config.linear_method(self) if quant_config else UnquantizedLinearMethod()
         self.method.create_weights(self, in_features, self.out_features, bias)
 

@@ -1,8 +1,10 @@
 """Weight-only int4: asymmetric group-wise (a scale and a zero per group of input weights), packed two per byte.
 
-On CPU, layers whose output size is a multiple of 16 keep torch's packed layout and use its int4 kernel with
-bf16 activations for every step (it beat dequantize-then-matmul at every size measured, docs/quantization.md).
-Elsewhere (CUDA, odd sizes) the nibbles are packed plainly and dequantized to the compute dtype per matmul.
+On CPU with llmrt's kernels (llmrt/kernels), the nibbles are packed in their layout (`pack_int4_chunks`) with
+bf16 scales and zeros: small steps run the kernel, larger ones dequantize into one reused buffer and run the
+compute dtype's GEMM. Without them, layers whose output size is a multiple of 16 keep torch's packed layout and
+use its int4 kernel with bf16 activations for every step; elsewhere (CUDA, odd sizes) the nibbles are packed
+plainly and dequantized to the compute dtype per matmul.
 Values follow tinygemm's convention: w = (q - 8) * scale + zero, q in [0, 15].
 """
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmrt.model.layers.linear import UnquantizedLinearMethod
+from llmrt.model.layers.linear import UPCAST, UnquantizedLinearMethod, use_kernel
 from llmrt.model.quantization.base import QuantizationConfig
 
 if TYPE_CHECKING:
@@ -80,6 +82,22 @@ def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
     return torch.stack([p & 0xF, p >> 4], dim=-1).view(p.shape[0], -1)
 
 
+def pack_int4_chunks(q: torch.Tensor) -> torch.Tensor:
+    """int [N, K] in [0, 15], K a multiple of 32 -> uint8 [N, K/2], the layout of llmrt's int4 kernel: per chunk
+    of 32 inputs, byte c holds q[c] in its low nibble and q[c + 16] in its high one (one 16-byte load unpacks to
+    two runs of 16 consecutive inputs)."""
+    n, k = q.shape
+    c = q.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4_chunks(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4_chunks: uint8 [N, K/2] -> uint8 [N, K]."""
+    n = p.shape[0]
+    c = p.view(n, -1, 16)
+    return torch.stack([c & 0xF, c >> 4], dim=2).view(n, -1)
+
+
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                     dtype: torch.dtype) -> torch.Tensor:
     """The [N, K] weights in `dtype` from the plain nibble layout."""
@@ -106,9 +124,15 @@ class Int4LinearMethod(UnquantizedLinearMethod):
     def store_quantized(self, layer: "Linear", q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """Keep quantize_int4's (q, scale, zero) in this method's layout; also the entry for checkpoints that
         arrive quantized (GPTQ, AWQ, GGUF 4-bit), which set `layer.int4_in_pad` themselves."""
+        from llmrt.kernels import for_layer
+
         n = q.shape[0]
-        layer.int4_torch_packed = q.device.type == "cpu" and n % 16 == 0
-        if layer.int4_torch_packed:
+        layer.kernels, layer.kernel_max_rows = for_layer("int4", q) if self.group_size % 32 == 0 else (None, 0)
+        layer.int4_torch_packed = layer.kernels is None and q.device.type == "cpu" and n % 16 == 0
+        if layer.kernels is not None:
+            layer.qweight = nn.Parameter(pack_int4_chunks(q), requires_grad=False)
+            layer.scales_zeros = nn.Parameter(torch.stack([scale, zero], dim=-1).bfloat16(), requires_grad=False)
+        elif layer.int4_torch_packed:
             layer.qweight = nn.Parameter(torch._convert_weight_to_int4pack_for_cpu(q, 1), requires_grad=False)
             sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
             layer.scales_zeros = nn.Parameter(sz.bfloat16(), requires_grad=False)
@@ -119,6 +143,15 @@ class Int4LinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         out_dtype, b = x.dtype, layer.bias
+        if layer.kernels is not None:
+            if use_kernel(layer, x):  # pads x itself
+                return layer.kernels.linear_int4(x, layer.qweight, layer.scales_zeros, self.group_size, b)
+            n, kp = layer.qweight.shape[0], layer.qweight.shape[1] * 2
+            dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
+            w = UPCAST.buffer((n, kp), dtype, x.device)
+            layer.kernels.dequantize_int4(layer.qweight, layer.scales_zeros, self.group_size, w)
+            x = F.pad(x, (0, layer.int4_in_pad)) if layer.int4_in_pad else x
+            return F.linear(x.to(dtype), w, b.to(dtype) if b is not None else None).to(out_dtype)
         if layer.int4_in_pad:
             x = F.pad(x, (0, layer.int4_in_pad))
         if layer.int4_torch_packed:

@@ -7,15 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmrt.model.layers.linear import UPCAST, UnquantizedLinearMethod
+from llmrt.model.layers.linear import UPCAST, UnquantizedLinearMethod, use_kernel
 from llmrt.model.quantization.base import QuantizationConfig
 
 if TYPE_CHECKING:
     from llmrt.model.layers.linear import Linear
 
-# Steps of up to this many rows use torch's packed int8 kernel (bf16 activations); larger ones dequantize to the
-# compute dtype and run its GEMM. Measured on this repo's CPU (docs/quantization.md): the packed kernel is
-# 1.4-1.9x faster than fp32 for one row and 1.4-2x slower at 64 rows.
+# Without llmrt's kernels (llmrt/kernels), steps of up to this many rows use torch's packed int8 kernel (bf16
+# activations); larger ones dequantize to the compute dtype and run its GEMM. Measured on this repo's CPU
+# (docs/quantization.md): the packed kernel is 1.4-1.9x faster than fp32 for one row and 1.4-2x slower at 64 rows.
 PACKED_MAX_ROWS = 8
 
 
@@ -28,7 +28,8 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8LinearMethod(UnquantizedLinearMethod):
-    """Loads `weight` in the model dtype, then keeps only int8 weights and per-channel scales."""
+    """Loads `weight` in the model dtype, then keeps only int8 weights and per-channel scales. Small steps run
+    llmrt's kernel where it is available (else torch's packed one); larger ones dequantize and run the GEMM."""
 
     def __init__(self, packed_max_rows: int):
         self.packed_max_rows = packed_max_rows
@@ -40,10 +41,15 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         # The packed kernel wants scales in its activation dtype (bf16); kept beside the float32 ones (N values).
         layer.weight_scale_bf16 = nn.Parameter(scale.bfloat16(), requires_grad=False)
+        from llmrt.kernels import for_layer
+
+        layer.kernels, layer.kernel_max_rows = for_layer("int8", q)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype
         b = layer.bias
+        if use_kernel(layer, x):  # llmrt's kernel: int8 rows widened in registers, fp32 accumulation
+            return layer.kernels.linear_int8(x, layer.qweight, layer.weight_scale, b)
         # torch 2.13's kernel crashes on multi-row inputs whose K is not a multiple of 32 (seen with K=172).
         if x.device.type == "cpu" and x.shape[0] <= self.packed_max_rows and layer.in_features % 32 == 0:
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), layer.qweight, layer.weight_scale_bf16)

@@ -1,0 +1,139 @@
+"""llmrt's own CPU matmul kernels (llmrt/kernels/csrc), compiled once per source and ISA and loaded as torch ops.
+
+The C++ source is JIT-compiled with `torch.utils.cpp_extension.load` into a cache directory keyed by a hash of
+the source, the ISA build flags and the torch version (`$LLMRT_CACHE_DIR/kernels` or `~/.cache/llmrt/kernels`),
+so a process pays the compile once per machine (`make install` pre-builds it) and later ones only load the .so.
+The ISA comes from the capability table (`hardware.kernel_isa`). Where the compiler or the ISA is missing, or
+`LLMRT_KERNELS=0`, `kernels()` returns None (logged once, with the reason) and the linear methods keep torch's
+own paths. `LLMRT_KERNELS=avx2|avx512` forces a build the CPU supports (tests compare both).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from llmrt.hardware import cpu_flags, kernel_isa
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "linear.cpp"
+ISA_FLAGS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+               "-DLLMRT_AVX512"],
+}
+# Steps of up to this many rows run our kernel; larger ones torch's GEMM (int8/int4 weights dequantized into one
+# reused buffer first). Chosen from benchmarks/linear-kernels.md (110m layer shapes): ours is 2-5x faster than
+# torch's bf16/fp32 for 1-8 rows; at 16 rows torch's native bf16 GEMM (AVX512-BF16) wins, the fp32 upcast that
+# emulated bf16 takes does not; for int8/int4 ours matched or beat torch's packed kernels and dequantize+GEMM
+# up to 64 rows. "bf16 upcast": bf16 weights on a CPU without bf16 arithmetic (activations are fp32).
+MAX_ROWS = {"bf16": 8, "bf16 upcast": 16, "int8": 64, "int4": 64}
+ISA_NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq")}
+
+
+@dataclass
+class KernelLib:
+    """One loaded build of the kernels: its ISA, ops, .so path, and whether it was compiled or found cached."""
+
+    isa: str
+    path: Path
+    how: str  # "compiled" | "cached"
+    seconds: float
+    linear_bf16: Callable[..., torch.Tensor]
+    linear_int8: Callable[..., torch.Tensor]
+    linear_int4: Callable[..., torch.Tensor]
+    dequantize_int4: Callable[..., None]
+
+
+def cache_root() -> Path:
+    """Where compiled kernels live: $LLMRT_CACHE_DIR/kernels, else ~/.cache/llmrt/kernels."""
+    base = os.environ.get("LLMRT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llmrt")
+    return Path(base) / "kernels"
+
+
+def _cflags(isa: str) -> list[str]:
+    return ["-O3", "-fopenmp", f"-DLLMRT_NS=llmrt_{isa}", *ISA_FLAGS[isa]]
+
+
+def build_dir(isa: str) -> Path:
+    """The cache directory of `isa`'s build of the current source (hash of source, flags, torch version)."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(_cflags(isa)).encode())
+    h.update(torch.__version__.encode())
+    return cache_root() / f"{isa}-{h.hexdigest()[:16]}"
+
+
+def _ops(isa: str, path: Path, how: str, seconds: float) -> KernelLib:
+    ns = getattr(torch.ops, f"llmrt_{isa}")
+    return KernelLib(isa, path, how, seconds, ns.linear_bf16.default, ns.linear_int8.default,
+                     ns.linear_int4.default, ns.dequantize_int4.default)
+
+
+@functools.lru_cache(maxsize=None)
+def load(isa: str) -> KernelLib:
+    """`isa`'s build, loaded from the cache or compiled into it first. Raises if the compiler fails."""
+    missing = [f for f in ISA_NEEDS[isa] if f not in cpu_flags()]
+    if missing:
+        raise RuntimeError(f"this CPU lacks {', '.join(missing)} for the {isa} kernels")
+    d = build_dir(isa)
+    name = f"llmrt_kernels_{isa}"
+    done = d / "ok"
+    t = time.perf_counter()
+    if done.is_file():
+        path = Path(done.read_text().strip())
+        torch.ops.load_library(str(path))
+        return _ops(isa, path, "cached", time.perf_counter() - t)
+    from torch.utils import cpp_extension  # imported only to compile: it pulls in setuptools
+
+    if shutil.which("ninja") is None:  # pip's ninja lands beside this Python, which may not be on PATH
+        os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", "")
+    logger.warning("compiling llmrt kernels (%s) into %s: once per source and ISA, about a minute", isa, d)
+    d.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_cflags(isa), extra_ldflags=["-fopenmp"],
+                       build_directory=str(d), is_python_module=False, verbose=False)
+    path = max(d.glob(f"{name}*.so"), key=lambda p: p.stat().st_mtime)
+    done.write_text(str(path))
+    return _ops(isa, path, "compiled", time.perf_counter() - t)
+
+
+@functools.lru_cache(maxsize=None)
+def kernels() -> Optional[KernelLib]:
+    """The kernels this process uses, or None (the reason logged once) when they are off or cannot be built."""
+    choice = os.environ.get("LLMRT_KERNELS", "auto").lower()
+    if choice in ("0", "off", "none"):
+        logger.info("llmrt kernels off (LLMRT_KERNELS=%s): linear layers use torch's paths", choice)
+        return None
+    isa = kernel_isa() if choice == "auto" else choice
+    if isa is None:
+        logger.warning("llmrt kernels unavailable: this CPU has no AVX2+FMA; linear layers use torch's paths")
+        return None
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"LLMRT_KERNELS={choice!r}: expected auto, 0, {' or '.join(ISA_FLAGS)}")
+    try:
+        lib = load(isa)
+    except Exception as e:  # no compiler, no ninja, a build error: torch's paths still work
+        logger.warning("llmrt kernels unavailable (%s: %s); linear layers use torch's paths",
+                       type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        return None
+    logger.info("llmrt kernels (%s) %s in %.2f s: %s", lib.isa, "loaded from cache" if lib.how == "cached"
+                else "compiled", lib.seconds, lib.path)
+    return lib
+
+
+def for_layer(fmt: str, weight: torch.Tensor) -> tuple[Optional[KernelLib], int]:
+    """(kernels, max rows) for a layer of format `fmt` (a MAX_ROWS key) whose weights are `weight`;
+    (None, 0) where torch's paths compute it (not a CPU tensor, or no kernels)."""
+    if weight.device.type != "cpu":
+        return None, 0
+    lib = kernels()
+    return (lib, MAX_ROWS[fmt]) if lib is not None else (None, 0)

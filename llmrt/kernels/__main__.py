@@ -1,0 +1,29 @@
+"""`python -m llmrt.kernels`: build (or find cached) every kernel build this CPU can run; `make install` runs it."""
+from __future__ import annotations
+
+import sys
+
+from llmrt.hardware import cpu_flags
+from llmrt.kernels import ISA_NEEDS, load
+
+
+def main() -> int:
+    """Build each ISA's kernels the CPU supports; 0 when all built (or none apply), 1 when a build failed."""
+    isas = [isa for isa, needs in ISA_NEEDS.items() if set(needs) <= cpu_flags()]
+    if not isas:
+        print("llmrt kernels: this CPU has no AVX2+FMA; torch's paths will be used")
+        return 0
+    failed = 0
+    for isa in isas:
+        try:
+            lib = load(isa)
+        except Exception as e:  # report, keep going: torch's paths still work without them
+            print(f"llmrt kernels ({isa}): build failed: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        print(f"llmrt kernels ({isa}): {lib.how} in {lib.seconds:.1f} s -> {lib.path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

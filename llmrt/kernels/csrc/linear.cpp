@@ -1,0 +1,426 @@
+// Small-M matmuls y = x W^T + b for weights kept narrow (bf16, int8 per channel, int4 group-wise).
+//
+// Decode is memory-bound: each kernel streams the weights once, widens them to fp32 in registers and
+// accumulates in fp32, computing up to MB activation rows per weight load. Every output row is computed with the
+// same reduction order whatever M is, so a row's result does not depend on what else is in the batch.
+// One source, compiled once per ISA (LLMRT_AVX512 or AVX2+FMA); the op namespace is LLMRT_NS so that both
+// builds can be loaded into one process (tests compare them).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifndef LLMRT_NS
+#error "LLMRT_NS (the torch op namespace) must be defined"
+#endif
+
+namespace {
+
+#if defined(LLMRT_AVX512)
+constexpr int VL = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset1(float a) { return _mm512_set1_ps(a); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline vf wload(const uint16_t* p) {  // bf16 -> fp32: the bf16 bits are the high half of the fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline vf wload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+// 16 packed bytes -> the 32 nibble values of one int4 chunk as fp32: lo = k 0..15, hi = k 16..31.
+inline void nibbles(const uint8_t* p, vf* out) {
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
+  out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+constexpr int MB = 4;  // activation rows per tile (32 zmm registers: 16 accumulators)
+#else
+constexpr int VL = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset1(float a) { return _mm256_set1_ps(a); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf wload(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline vf wload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline void nibbles(const uint8_t* p, vf* out) {  // out: k 0..7, 8..15, 16..23, 24..31
+  const __m256i m = _mm256_set1_epi32(0xF);
+  __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+  out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, m));
+  out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, m));
+  out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+  out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+constexpr int MB = 2;  // 16 ymm registers: 8 accumulators, 4 weight vectors, 1 activation
+#endif
+constexpr int NB = 4;  // weight rows per tile
+
+inline float to_f(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float to_f(int8_t v) { return float(v); }
+inline float to_f(float v) { return v; }
+inline vf wload(const float* p) { return vload(p); }
+inline void vstore(float* p, vf v) {
+#if defined(LLMRT_AVX512)
+  _mm512_storeu_ps(p, v);
+#else
+  _mm256_storeu_ps(p, v);
+#endif
+}
+
+// out[i][j] = sum_k x[i, k] * w[j, k] for mb activation rows and nb weight rows (both <= MB, NB).
+template <typename WT, int mb, int nb>
+inline void dot_tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t K, float (*out)[NB]) {
+  vf acc[mb][nb];
+  for (int i = 0; i < mb; ++i)
+    for (int j = 0; j < nb; ++j) acc[i][j] = vzero();
+  int64_t k = 0;
+  for (; k + VL <= K; k += VL) {
+    vf wv[nb];
+    for (int j = 0; j < nb; ++j) wv[j] = wload(w + j * ldw + k);
+    for (int i = 0; i < mb; ++i) {
+      vf xv = vload(x + i * ldx + k);
+      for (int j = 0; j < nb; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {  // the tail as one more zero-padded vector step: the same arithmetic whatever WT is
+    alignas(64) float wt[nb][VL] = {}, xt[VL] = {};
+    for (int j = 0; j < nb; ++j)
+      for (int64_t t = k; t < K; ++t) wt[j][t - k] = to_f(w[j * ldw + t]);
+    for (int i = 0; i < mb; ++i) {
+      for (int64_t t = k; t < K; ++t) xt[t - k] = x[i * ldx + t];
+      const vf xv = vload(xt);
+      for (int j = 0; j < nb; ++j) acc[i][j] = vfma(xv, vload(wt[j]), acc[i][j]);
+    }
+  }
+  for (int i = 0; i < mb; ++i)
+    for (int j = 0; j < nb; ++j) out[i][j] = vsum(acc[i][j]);
+}
+
+// int4: K is a multiple of 32 (padded at load), gs a multiple of 32. Per 32-chunk, 16 bytes: byte c holds
+// q[c] in its low nibble and q[c + 16] in its high one. sz: [N, K/gs, 2] bf16 (scale, zero); w = (q-8)*s + z,
+// computed as q*s + (z - 8s) in registers.
+template <int mb, int nb>
+inline void int4_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, const uint16_t* sz, int64_t G,
+                      int64_t gs, float (*out)[NB]) {
+  constexpr int C = 32 / VL;  // vectors per 32-chunk
+  vf acc[mb][nb];
+  for (int i = 0; i < mb; ++i)
+    for (int j = 0; j < nb; ++j) acc[i][j] = vzero();
+  for (int64_t g = 0; g < G; ++g) {
+    vf s[nb], b[nb];
+    for (int j = 0; j < nb; ++j) {
+      float sc = to_f(sz[(j * G + g) * 2]), z = to_f(sz[(j * G + g) * 2 + 1]);
+      s[j] = vset1(sc);
+      b[j] = vset1(z - 8.0f * sc);
+    }
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
+      vf wv[nb][C];
+      for (int j = 0; j < nb; ++j) {
+        nibbles(w + j * ldw + k / 2, wv[j]);
+        for (int c = 0; c < C; ++c) wv[j][c] = vfma(wv[j][c], s[j], b[j]);
+      }
+      for (int i = 0; i < mb; ++i)
+        for (int c = 0; c < C; ++c) {
+          vf xv = vload(x + i * ldx + k + c * VL);
+          for (int j = 0; j < nb; ++j) acc[i][j] = vfma(xv, wv[j][c], acc[i][j]);
+        }
+    }
+  }
+  for (int i = 0; i < mb; ++i)
+    for (int j = 0; j < nb; ++j) out[i][j] = vsum(acc[i][j]);
+}
+
+// Where results go: the output tensor's dtype, a per-row scale (int8) and a bias, applied once per element.
+struct Sink {
+  float* f32 = nullptr;
+  c10::BFloat16* bf16 = nullptr;
+  int64_t ld = 0;
+  const float* scale = nullptr;  // [N] or null
+  const float* bias = nullptr;   // [N] or null
+  inline void put(int64_t m, int64_t n, float v) const {
+    if (scale) v *= scale[n];
+    if (bias) v += bias[n];
+    if (f32) f32[m * ld + n] = v;
+    else bf16[m * ld + n] = c10::BFloat16(v);
+  }
+};
+
+template <int mb, int nb, typename Tile>
+inline void run_tile(const Tile& tile, int64_t m0, int64_t n0, const Sink& sink) {
+  float out[MB][NB];
+  tile.template operator()<mb, nb>(m0, n0, out);
+  for (int i = 0; i < mb; ++i)
+    for (int j = 0; j < nb; ++j) sink.put(m0 + i, n0 + j, out[i][j]);
+}
+
+// Dispatch the runtime remainder sizes (1..MB rows, 1..NB weight rows) to compile-time tiles.
+template <int nb, typename Tile>
+inline void rows_m(const Tile& tile, int64_t M, int64_t n0, const Sink& sink) {
+  int64_t m0 = 0;
+  for (; m0 + MB <= M; m0 += MB) run_tile<MB, nb>(tile, m0, n0, sink);
+  const int64_t r = M - m0;
+  if (r == 1) run_tile<1, nb>(tile, m0, n0, sink);
+  if constexpr (MB > 2) {
+    if (r == 2) run_tile<(MB > 2 ? 2 : 1), nb>(tile, m0, n0, sink);
+    if (r == 3) run_tile<(MB > 3 ? 3 : 1), nb>(tile, m0, n0, sink);
+  }
+}
+
+template <typename Tile>
+inline void by_nb(const Tile& tile, int64_t M, int64_t n0, int64_t nb, const Sink& sink) {
+  switch (nb) {
+    case NB: rows_m<NB>(tile, M, n0, sink); break;
+    case 3: rows_m<3>(tile, M, n0, sink); break;
+    case 2: rows_m<2>(tile, M, n0, sink); break;
+    default: rows_m<1>(tile, M, n0, sink); break;
+  }
+}
+
+// Weight rows already widened to fp32 (one tile's rows, starting at output row n_base).
+struct PanelTile {
+  const float* x;
+  int64_t ldx;
+  const float* w;
+  int64_t K, n_base;
+  template <int mb, int nb>
+  void operator()(int64_t m0, int64_t n0, float (*out)[NB]) const {
+    dot_tile<float, mb, nb>(x + m0 * ldx, ldx, w + (n0 - n_base) * K, K, K, out);
+  }
+};
+
+// All M rows times output rows in blocks of NB, the blocks split across torch's intra-op threads. With more
+// activation rows than one tile holds, each block's weights are widened once into an fp32 panel and every
+// row tile reads that: the same products in the same order as the streaming path, so results do not depend on M.
+template <typename Tile>
+void for_all_tiles(const Tile& tile, int64_t M, int64_t N, int64_t bytes_per_row, const Sink& sink) {
+  const int64_t blocks = (N + NB - 1) / NB;
+  // Enough weight bytes per task that a thread's start-up (a few microseconds) is paid back.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, NB * bytes_per_row));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<float> panel;
+    const bool widen = M > MB;
+    if (widen) panel.resize(NB * tile.kd());
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB, nb = std::min<int64_t>(NB, N - n0);
+      if (widen) {
+        tile.panel(n0, nb, panel.data());
+        by_nb(PanelTile{tile.x, tile.ldx, panel.data(), tile.kd(), n0}, M, n0, nb, sink);
+      } else {
+        by_nb(tile, M, n0, nb, sink);
+      }
+    }
+  });
+}
+
+// x as contiguous fp32 [M, Kp] (zero-padded past K); a view of x itself where no copy is needed.
+struct Activations {
+  at::Tensor keep;
+  const float* p;
+  int64_t ld;
+};
+
+Activations activations(const at::Tensor& x, int64_t Kp) {
+  TORCH_CHECK(x.dim() == 2, "llmrt kernels: x must be 2-D [rows, in_features], got ", x.sizes());
+  TORCH_CHECK(x.device().is_cpu(), "llmrt kernels: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "llmrt kernels: x must be float32 or bfloat16, got ", x.scalar_type());
+  const int64_t K = x.size(1);
+  if (x.scalar_type() == at::kFloat && x.stride(1) == 1 && Kp == K) return {x, x.data_ptr<float>(), x.stride(0)};
+  at::Tensor xf = at::empty({x.size(0), Kp}, x.options().dtype(at::kFloat));
+  if (Kp > K) xf.narrow(1, K, Kp - K).zero_();
+  xf.narrow(1, 0, K).copy_(x);
+  return {xf, xf.data_ptr<float>(), Kp};
+}
+
+std::pair<at::Tensor, Sink> output(const at::Tensor& x, int64_t N) {
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  Sink s;
+  s.ld = N;
+  if (y.scalar_type() == at::kFloat) s.f32 = y.data_ptr<float>();
+  else s.bf16 = y.data_ptr<c10::BFloat16>();
+  return {y, s};
+}
+
+const float* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t N, at::Tensor& keep) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->numel() == N, "llmrt kernels: bias has ", bias->numel(), " values for ", N, " outputs");
+  keep = bias->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
+template <typename WT>
+struct DotTile {
+  const float* x;
+  int64_t ldx;
+  const WT* w;
+  int64_t K;
+  int64_t kd() const { return K; }
+  template <int mb, int nb>
+  void operator()(int64_t m0, int64_t n0, float (*out)[NB]) const {
+    dot_tile<WT, mb, nb>(x + m0 * ldx, ldx, w + n0 * K, K, K, out);
+  }
+  void panel(int64_t n0, int64_t nb, float* dst) const {
+    for (int64_t j = 0; j < nb; ++j) {
+      const WT* src = w + (n0 + j) * K;
+      int64_t k = 0;
+      for (; k + VL <= K; k += VL) vstore(dst + j * K + k, wload(src + k));
+      for (; k < K; ++k) dst[j * K + k] = to_f(src[k]);
+    }
+  }
+};
+
+struct Int4Tile {
+  const float* x;
+  int64_t ldx;
+  const uint8_t* w;
+  int64_t Kp;
+  const uint16_t* sz;
+  int64_t G, gs;
+  int64_t kd() const { return Kp; }
+  template <int mb, int nb>
+  void operator()(int64_t m0, int64_t n0, float (*out)[NB]) const {
+    int4_tile<mb, nb>(x + m0 * ldx, ldx, w + n0 * (Kp / 2), Kp / 2, sz + n0 * G * 2, G, gs, out);
+  }
+  void panel(int64_t n0, int64_t nb, float* dst) const {  // the same fma(q, s, z - 8s) as int4_tile
+    constexpr int C = 32 / VL;
+    for (int64_t j = 0; j < nb; ++j) {
+      const uint8_t* src = w + (n0 + j) * (Kp / 2);
+      const uint16_t* gz = sz + (n0 + j) * G * 2;
+      for (int64_t g = 0; g < G; ++g) {
+        const float sc = to_f(gz[2 * g]), z = to_f(gz[2 * g + 1]);
+        const vf s = vset1(sc), bb = vset1(z - 8.0f * sc);
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
+          vf wv[C];
+          nibbles(src + k / 2, wv);
+          for (int c = 0; c < C; ++c) vstore(dst + j * Kp + k + c * VL, vfma(wv[c], s, bb));
+        }
+      }
+    }
+  }
+};
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
+              "llmrt kernels: w must be a contiguous bfloat16 [out, in] matrix");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "llmrt kernels: x ", x.sizes(), " does not match w ", w.sizes());
+  Activations a = activations(x, K);
+  auto [y, sink] = output(x, N);
+  at::Tensor bkeep;
+  sink.bias = bias_ptr(bias, N, bkeep);
+  DotTile<uint16_t> tile{a.p, a.ld, reinterpret_cast<const uint16_t*>(w.data_ptr()), K};
+  for_all_tiles(tile, x.size(0), N, 2 * K, sink);
+  return y;
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
+              "llmrt kernels: q must be a contiguous int8 [out, in] matrix");
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous(),
+              "llmrt kernels: scale must be float32 [out]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "llmrt kernels: x ", x.sizes(), " does not match q ", q.sizes());
+  Activations a = activations(x, K);
+  auto [y, sink] = output(x, N);
+  at::Tensor bkeep;
+  sink.bias = bias_ptr(bias, N, bkeep);
+  sink.scale = scale.data_ptr<float>();
+  DotTile<int8_t> tile{a.p, a.ld, q.data_ptr<int8_t>(), K};
+  for_all_tiles(tile, x.size(0), N, K, sink);
+  return y;
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "llmrt kernels: packed must be a contiguous uint8 [out, in/2] matrix");
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0, "llmrt kernels: group size must be a multiple of 32");
+  const int64_t N = packed.size(0), Kp = packed.size(1) * 2, G = Kp / group_size;
+  TORCH_CHECK(Kp % group_size == 0, "llmrt kernels: padded in_features ", Kp, " is not a multiple of the group");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.numel() == N * G * 2,
+              "llmrt kernels: sz must be contiguous bfloat16 [out, groups, 2]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= Kp && x.size(1) > Kp - group_size,
+              "llmrt kernels: x ", x.sizes(), " does not match in_features padded to ", Kp);
+  Activations a = activations(x, Kp);
+  auto [y, sink] = output(x, N);
+  at::Tensor bkeep;
+  sink.bias = bias_ptr(bias, N, bkeep);
+  Int4Tile tile{a.p, a.ld, packed.data_ptr<uint8_t>(), Kp, reinterpret_cast<const uint16_t*>(sz.data_ptr()), G,
+                group_size};
+  for_all_tiles(tile, x.size(0), N, Kp / 2 + G * 4, sink);
+  return y;
+}
+
+void dequantize_int4(const at::Tensor& packed, const at::Tensor& sz, int64_t group_size, at::Tensor out) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+              sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && group_size % 32 == 0,
+              "llmrt kernels: dequantize_int4 wants packed uint8 [out, in/2], bf16 sz, a group size multiple of 32");
+  const int64_t N = packed.size(0), Kp = packed.size(1) * 2, G = Kp / group_size;
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == N && out.size(1) == Kp &&
+              (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "llmrt kernels: out must be contiguous float32/bfloat16 [", N, ", ", Kp, "]");
+  Int4Tile tile{nullptr, 0, packed.data_ptr<uint8_t>(), Kp, reinterpret_cast<const uint16_t*>(sz.data_ptr()), G,
+                group_size};
+  const bool f32 = out.scalar_type() == at::kFloat;
+  float* of = f32 ? out.data_ptr<float>() : nullptr;
+  c10::BFloat16* ob = f32 ? nullptr : out.data_ptr<c10::BFloat16>();
+  const int64_t blocks = (N + NB - 1) / NB;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, (int64_t(64) << 10) / (NB * Kp / 2)), [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<float> panel;
+    panel.resize(NB * Kp);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB, nb = std::min<int64_t>(NB, N - n0);
+      if (f32) {
+        tile.panel(n0, nb, of + n0 * Kp);
+        continue;
+      }
+      tile.panel(n0, nb, panel.data());
+      for (int64_t t = 0; t < nb * Kp; ++t) ob[n0 * Kp + t] = c10::BFloat16(panel[t]);
+    }
+  });
+}
+
+std::string isa() {
+#if defined(LLMRT_AVX512)
+  return "avx512";
+#else
+  return "avx2";
+#endif
+}
+
+}  // namespace
+
+#define LLMRT_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+LLMRT_LIBRARY(LLMRT_NS, m) {
+  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", &linear_bf16);
+  m.def("linear_int8(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor", &linear_int8);
+  m.def("linear_int4(Tensor x, Tensor packed, Tensor sz, int group_size, Tensor? bias) -> Tensor", &linear_int4);
+  m.def("dequantize_int4(Tensor packed, Tensor sz, int group_size, Tensor(a!) out) -> ()", &dequantize_int4);
+  m.def("isa() -> str", &isa);
+}

@@ -1,0 +1,173 @@
+"""llmrt's CPU linear kernels (llmrt/kernels): each ISA build against a float64 reference on odd shapes, rows that
+do not depend on the batch, the layers' choice between our kernels and torch's paths, and the fallback."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import llmrt.kernels as K
+from llmrt.config import ModelConfig
+from llmrt.engine.llm import LLM
+from llmrt.hardware import cpu_flags, kernel_isa
+from llmrt.model.layers.linear import Linear
+from llmrt.model.quantization.int4 import pack_int4_chunks, quantize_int4, unpack_int4_chunks
+from llmrt.model.quantization.int8 import quantize_int8
+from llmrt.sampling_params import SamplingParams
+
+ISAS = [isa for isa, needs in K.ISA_NEEDS.items() if set(needs) <= cpu_flags()]
+pytestmark = pytest.mark.skipif(not ISAS, reason="this CPU has no AVX2+FMA: only torch's paths exist")
+# (out, in): K not a multiple of 8/16/32 or of the group, N not a multiple of the 4-row tile, a tiny one.
+SHAPES = [(37, 100), (64, 320), (5, 7), (130, 64)]
+ROWS = [1, 2, 3, 5, 8, 17, 64]
+
+
+def _weights(n: int, k: int, fmt: str) -> tuple[tuple, torch.Tensor]:
+    """(kernel arguments after x, the dense fp64 weights they stand for)."""
+    w = torch.randn(n, k)
+    if fmt == "bf16":
+        wb = w.bfloat16()
+        return (wb,), wb.double()
+    if fmt == "int8":
+        q, s = quantize_int8(w)
+        return (q, s), q.double() * s.double()[:, None]
+    kp = k + (-k % 32)
+    q, sc, z = quantize_int4(F.pad(w, (0, kp - k)), 32)
+    sz = torch.stack([sc, z], -1).bfloat16().contiguous()
+    s, zz = sz[..., 0].double(), sz[..., 1].double()
+    dense = ((q.double().view(n, -1, 32) - 8) * s[..., None] + zz[..., None]).view(n, kp)[:, :k]
+    return (pack_int4_chunks(q), sz, 32), dense
+
+
+def _call(lib: K.KernelLib, fmt: str, x: torch.Tensor, args: tuple, bias) -> torch.Tensor:
+    return getattr(lib, f"linear_{fmt}")(x, *args, bias)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_kernel_matches_reference(isa, fmt):
+    """fp32 accumulation: error within 1e-5 of sum|x||w| (fp32 out), plus bf16 rounding of the output (bf16 out)."""
+    torch.manual_seed(0)
+    lib = K.load(isa)
+    for n, k in SHAPES:
+        args, dense = _weights(n, k, fmt)
+        for rows in ROWS:
+            for xdt in (torch.float32, torch.bfloat16):
+                x = torch.randn(rows, k).to(xdt)
+                bias = torch.randn(n) if rows % 2 else None
+                ref = x.double() @ dense.T + (bias.double() if bias is not None else 0)
+                scale = x.double().abs() @ dense.abs().T
+                y = _call(lib, fmt, x, args, bias)
+                assert y.dtype == xdt and y.shape == (rows, n)
+                tol = 1e-5 * scale + 1e-6 + (ref.abs() * 2 ** -8 if xdt == torch.bfloat16 else 0)
+                assert ((y.double() - ref).abs() <= tol).all(), (isa, fmt, n, k, rows, xdt)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_rows_result_does_not_depend_on_the_batch(isa):
+    """Streaming (few rows) and widened-panel (many rows) paths do the same arithmetic: bitwise equal rows."""
+    torch.manual_seed(1)
+    lib = K.load(isa)
+    x = torch.randn(64, 300)
+    for fmt in ("bf16", "int8", "int4"):
+        args, _ = _weights(67, 300, fmt)
+        bias = torch.randn(67)
+        full = _call(lib, fmt, x, args, bias)
+        ones = torch.cat([_call(lib, fmt, x[i:i + 1], args, bias) for i in range(64)])
+        threes = torch.cat([_call(lib, fmt, x[i:i + 3], args, bias) for i in range(0, 64, 3)])
+        assert torch.equal(full, ones) and torch.equal(full, threes), (isa, fmt)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int4_layout_and_dequantize(isa):
+    torch.manual_seed(2)
+    q = torch.randint(0, 16, (9, 128), dtype=torch.int32)
+    packed = pack_int4_chunks(q)
+    assert packed.shape == (9, 64) and torch.equal(unpack_int4_chunks(packed).int(), q)
+    sz = torch.randn(9, 2, 2).bfloat16()  # group 64: 2 groups of (scale, zero)
+    want = ((q.float().view(9, 2, 64) - 8) * sz[..., 0].float()[..., None] + sz[..., 1].float()[..., None])
+    for dt in (torch.float32, torch.bfloat16):
+        out = torch.empty(9, 128, dtype=dt)
+        K.load(isa).dequantize_int4(packed, sz, 64, out)
+        torch.testing.assert_close(out.float(), want.view(9, 128).to(dt).float(), rtol=1e-6, atol=1e-6)
+
+
+def test_builds_are_cached_by_source_and_isa():
+    isa = ISAS[0]
+    lib = K.load(isa)
+    assert lib.path.is_file() and lib.path.parent == K.build_dir(isa) and lib.how in ("compiled", "cached")
+    K.load.cache_clear()
+    again = K.load(isa)
+    assert again.how == "cached" and again.path == lib.path
+    assert K.build_dir("avx2") != K.build_dir("avx512")
+
+
+def test_kernel_isa_from_the_capability_table():
+    assert kernel_isa(frozenset({"avx2", "fma"})) == "avx2"
+    assert kernel_isa(frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})) == "avx512"
+    assert kernel_isa(frozenset({"avx", "sse4_2"})) is None
+
+
+def _linears(llm: LLM) -> list[Linear]:
+    model = llm.engine.executor.worker.model_runner.model
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+@pytest.fixture
+def kernels_env(monkeypatch):
+    """Set LLMRT_KERNELS for one engine build; the choice is re-read (and restored after)."""
+    def set_to(value: str) -> None:
+        monkeypatch.setenv("LLMRT_KERNELS", value)
+        K.kernels.cache_clear()
+
+    yield set_to
+    monkeypatch.delenv("LLMRT_KERNELS", raising=False)
+    K.kernels.cache_clear()
+
+
+@pytest.mark.parametrize("quant,dtype", [(None, "bfloat16"), ("int8", "float32"), ("int4", "float32")])
+def test_layers_use_the_kernels_and_match_torchs_paths(quant, dtype, kernels_env, embedded_model_dir):
+    """The same model with the kernels and with LLMRT_KERNELS=0 (torch's paths): same greedy story."""
+    params = SamplingParams(max_tokens=16, temperature=0)
+    out = {}
+    for choice in ("auto", "0"):
+        kernels_env(choice)
+        llm = LLM(dtype=dtype, quantization=quant)
+        layers = _linears(llm)
+        chosen = [m for m in layers if m.kernels is not None]
+        if choice == "0":
+            assert not chosen
+        else:  # every quantized layer; for bf16 every Linear (the tied LM head too)
+            assert len(chosen) == len(layers) if quant is None else len(chosen) == len(layers) - 1
+        out[choice] = llm.generate(["Once upon a time"], params)[0].outputs[0].token_ids
+    assert out["auto"] == out["0"]
+
+
+def test_prefill_sized_steps_take_torchs_gemm_with_the_same_weights(embedded_model_dir):
+    """Above kernel_max_rows int4 dequantizes our layout for the GEMM: the rows agree with the kernel's."""
+    from llmrt.model.loader import load_model
+
+    model = load_model(ModelConfig(str(embedded_model_dir), quantization="int4"), torch.device("cpu"))
+    layer = next(m for m in model.modules() if isinstance(m, Linear) and m.kernels is not None)
+    x = torch.randn(layer.kernel_max_rows + 5, layer.in_features)
+    with torch.inference_mode():
+        big = layer(x)
+        small = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+    torch.testing.assert_close(big, small, rtol=1e-4, atol=1e-4)
+
+
+def test_fallback_when_the_kernels_cannot_be_built(kernels_env, monkeypatch, caplog):
+    def broken(isa):
+        raise RuntimeError("Error building extension 'llmrt_kernels': g++ not found")
+
+    monkeypatch.setattr(K, "load", broken)
+    kernels_env("auto")
+    with caplog.at_level(logging.WARNING, logger="llmrt.kernels"):
+        assert K.kernels() is None and K.kernels() is None
+    warnings = [r.message for r in caplog.records if "unavailable" in r.message]
+    assert len(warnings) == 1 and "g++ not found" in warnings[0] and "torch's paths" in warnings[0]
+    llm = LLM(quantization="int4")
+    assert all(m.kernels is None for m in _linears(llm))
+    assert llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
