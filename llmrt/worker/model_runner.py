@@ -9,9 +9,9 @@ import torch
 
 from llmrt.attention import build_common_metadata, select_attention_backend
 from llmrt.config import EngineConfig
-from llmrt.engine.memory_plan import parameter_bytes
+from llmrt.engine.memory_plan import estimate_activation_peak, parameter_bytes
 from llmrt.engine.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SpecStepStats
-from llmrt.hardware import measure_peak_memory
+from llmrt.hardware import compute_dtype, measure_peak_memory
 from llmrt.model.layers.sampler import Sampler, SamplingMetadata
 from llmrt.model.loader import load_model
 from llmrt.sampling_params import SamplingParams
@@ -58,6 +58,14 @@ class ModelRunner:
     def weights_bytes(self) -> int:
         """Bytes of parameters (tied ones counted once)."""
         return parameter_bytes(self.model)
+
+    def estimate_activation_peak(self, tp: int = 1) -> int:
+        """The activation peak of the largest step the scheduler can issue, from the layer shapes (no forward)."""
+        sc = self.config.scheduler
+        num_tokens = min(sc.max_num_batched_tokens, self.config.model.max_model_len)
+        dtype = compute_dtype(self.device, self.config.model.torch_dtype)
+        return estimate_activation_peak(self.config.model.hf_config, num_tokens, min(sc.max_num_seqs, num_tokens),
+                                        dtype, self.kv_spec.num_kv_heads, self.kv_spec.head_dim, tp)
 
     @torch.inference_mode()
     def profile_activation_peak(self, allocate_kv: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]) -> int:
