@@ -1,19 +1,17 @@
 """The `llmrt` command: generate, serve, route, bench (throughput, serve, structured, spec, mixed, prefix, context,
-router, quality), plan, regress (record, compare), tokens."""
+router, quality, peers), plan, regress (record, compare), tokens."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from typing import Any, Optional
-
-from llmrt.config import DEFAULT_MODEL_NAME
-from llmrt.engine_args import add_engine_arguments, engine_kwargs
+from typing import Any, Callable, Optional, Sequence
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream a completion (or a chat reply) for one prompt."""
     from llmrt import LLM, SamplingParams
+    from llmrt.engine_args import engine_kwargs
 
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -24,20 +22,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
         sys.stdout.write(args.prompt)
+    first = True
     for piece in llm.stream(prompt, params):
+        if first:
+            first = False
+            llm.startup.mark("first token")
+            logging.getLogger("llmrt.engine.llm").info("to the first token: %s", llm.startup.describe())
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole command line."""
-    parser = argparse.ArgumentParser(prog="llmrt", description="llmrt: an LLM inference runtime you can read and measure")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_generate(gen: argparse.ArgumentParser) -> None:
+    from llmrt.config import DEFAULT_MODEL_NAME
+    from llmrt.engine_args import add_engine_arguments
 
-    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     gen.add_argument("model", nargs="?", default=None,
                      help=f"local HF checkpoint directory (default: the embedded {DEFAULT_MODEL_NAME})")
     gen.add_argument("--prompt", required=True, help="the prompt text")
@@ -55,19 +55,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
-                           description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
-                                       "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version), "
-                                       "with Prometheus metrics at /metrics and a live dashboard at /dashboard.")
-    serve.add_argument("model", nargs="?", default=None,
-                       help=f"local HF checkpoint directory (default: the embedded {DEFAULT_MODEL_NAME})")
+
+def _add_serve(serve: argparse.ArgumentParser) -> None:
+    from llmrt.config import DEFAULT_MODEL_NAME
+    from llmrt.engine_args import add_engine_arguments
     from llmrt.server.launch import add_serve_arguments, run_server
 
+    serve.description = ("Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                         "/v1/models, /tokenize, /detokenize, /health, /version), with Prometheus metrics at "
+                         "/metrics and a live dashboard at /dashboard.")
+    serve.add_argument("model", nargs="?", default=None,
+                       help=f"local HF checkpoint directory (default: the embedded {DEFAULT_MODEL_NAME})")
     add_serve_arguments(serve)
     add_engine_arguments(serve)
     serve.set_defaults(func=run_server)
 
-    bench = sub.add_parser("bench", help="benchmarks")
+
+def _add_bench(bench: argparse.ArgumentParser) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     thr = bench_sub.add_parser("throughput", help="offline throughput vs HF transformers generate, one run")
     from llmrt.bench import throughput
@@ -109,16 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
                                               "configurations vs the unquantized model", description=quality.__doc__)
     quality.add_arguments(qu)
     qu.set_defaults(func=quality.run)
-
-    route = sub.add_parser("route", help="route the OpenAI API over many llmrt instances (policies, versions, "
-                                         "canaries, health checks, safe retries)",
-                           description="A router in front of llmrt serve instances: give them with --backend, or "
-                                       "start them with --launch N. Same OpenAI API; x-llmrt-instance and "
-                                       "x-llmrt-model-version name who served each call. See docs/router.md.")
-    from llmrt.router.launch import add_route_arguments, run_route
-
-    add_route_arguments(route)
-    route.set_defaults(func=run_route)
     from llmrt.bench import router as bench_router
 
     br = bench_sub.add_parser("router", help="routing policies on a shared-system-prompt workload over local "
@@ -126,35 +120,94 @@ def build_parser() -> argparse.ArgumentParser:
                               description=bench_router.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_router.add_arguments(br)
     br.set_defaults(func=lambda a: (bench_router.run(a), 0)[1])
+    from llmrt.bench import peers as bench_peers
 
-    plan = sub.add_parser("plan", help="memory breakdown and capacity for a model config, without weights",
-                          description="Print how weights, activations and KV blocks split a device's memory for "
-                                      "an HF config.json (a model directory or the file), and how many sequences "
-                                      "fit at each context length. Uses the engine's own formulas.")
+    pe = bench_sub.add_parser("peers", help="llmrt beside HF, vLLM's CPU build and llama.cpp on workloads W1/W2 and "
+                                            "cold start, each peer from its own virtualenv",
+                              description=bench_peers.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_peers.add_arguments(pe)
+    pe.set_defaults(func=lambda a: (bench_peers.run(a), 0)[1])
+
+
+def _add_route(route: argparse.ArgumentParser) -> None:
+    from llmrt.router.launch import add_route_arguments, run_route
+
+    route.description = ("A router in front of llmrt serve instances: give them with --backend, or start them with "
+                         "--launch N. Same OpenAI API; x-llmrt-instance and x-llmrt-model-version name who served "
+                         "each call. See docs/router.md.")
+    add_route_arguments(route)
+    route.set_defaults(func=run_route)
+
+
+def _add_plan(plan: argparse.ArgumentParser) -> None:
     from llmrt import plan as plan_cmd
 
+    plan.description = ("Print how weights, activations and KV blocks split a device's memory for an HF config.json "
+                        "(a model directory or the file), and how many sequences fit at each context length. Uses "
+                        "the engine's own formulas.")
     plan_cmd.add_arguments(plan)
     plan.set_defaults(func=plan_cmd.run)
 
-    regress = sub.add_parser("regress", help="record a workload's outputs and latencies, compare another endpoint "
-                                             "against them (safe upgrades, CI gates)")
+
+def _add_regress(regress: argparse.ArgumentParser) -> None:
     from llmrt.tools import regress as regress_cmd
 
     regress_cmd.add_subcommands(regress.add_subparsers(dest="regress_command", required=True))
 
+
+def _add_tokens(tok: argparse.ArgumentParser) -> None:
     from llmrt.tools import tokens as tokens_cmd, tokens_report
 
-    tok = sub.add_parser("tokens", help="what requests cost in tokens: parts, shares, repeated prefixes, FLOPs, KV",
-                         description=tokens_cmd.__doc__, epilog=tokens_report.EXAMPLES,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    tok.description, tok.epilog = tokens_cmd.__doc__, tokens_report.EXAMPLES
+    tok.formatter_class = argparse.RawDescriptionHelpFormatter
     tokens_report.add_arguments(tok)
     tok.set_defaults(func=tokens_report.run)
+
+
+# name -> (one-line help, what fills in its arguments). Only the command being run is filled in, so that
+# `llmrt --help` and `llmrt generate` import neither the server, the router nor the benchmarks.
+_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "generate": ("generate text for one prompt, streamed to stdout", _add_generate),
+    "serve": ("serve the OpenAI-compatible HTTP API", _add_serve),
+    "bench": ("benchmarks", _add_bench),
+    "route": ("route the OpenAI API over many llmrt instances (policies, versions, canaries, health checks, "
+              "safe retries)", _add_route),
+    "plan": ("memory breakdown and capacity for a model config, without weights", _add_plan),
+    "regress": ("record a workload's outputs and latencies, compare another endpoint against them (safe upgrades, "
+                "CI gates)", _add_regress),
+    "tokens": ("what requests cost in tokens: parts, shares, repeated prefixes, FLOPs, KV", _add_tokens),
+}
+
+
+def _command_of(argv: Sequence[str]) -> Optional[str]:
+    """The command named on the command line (the first positional word), if any."""
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--log-level":
+            skip = True
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
+    """The command line, with the arguments of the command `argv` names (default: sys.argv) filled in."""
+    parser = argparse.ArgumentParser(prog="llmrt", description="llmrt: an LLM inference runtime you can read and measure")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    wanted = _command_of(sys.argv[1:] if argv is None else argv)
+    for name, (help_text, fill) in _COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text)
+        if name == wanted:
+            fill(cmd)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `llmrt` console script."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from llmrt.errors import LLMRTError
 

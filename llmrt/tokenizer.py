@@ -5,9 +5,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import jinja2
-
 from llmrt.errors import InvalidRequestError, ModelLoadError, UnsupportedError
+from llmrt.tokenizer_files import RustTokenizerFiles
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -24,8 +23,9 @@ _MAX_HELD = 256
 class Tokenizer:
     """Wraps a HF tokenizer with the few calls the engine's front end needs."""
 
-    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None):
-        self.hf = hf_tokenizer
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase | RustTokenizerFiles, chat_template: str | None = None):
+        # A transformers tokenizer, or a RustTokenizerFiles that builds one only when `hf` is first read.
+        self._base = hf_tokenizer
         self.chat_template: str | dict[str, str] | None = chat_template or hf_tokenizer.chat_template
         self._template_override = chat_template
         self.vocab_size: int = len(hf_tokenizer)
@@ -44,9 +44,15 @@ class Tokenizer:
             self.special_ids = frozenset(hf_tokenizer.all_special_ids)
         self.byte_token_ids: frozenset[int] = _byte_fallback_ids(hf_tokenizer)
 
+    @property
+    def hf(self) -> PreTrainedTokenizerBase:
+        """The transformers tokenizer (imported and built now if this one was read with `tokenizers` alone)."""
+        load = getattr(self._base, "load_hf", None)
+        return load() if load is not None else self._base
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with BOS (and whatever else the tokenizer adds) unless told not to."""
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self._base.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`."""
@@ -81,6 +87,8 @@ class Tokenizer:
                 "this model has no chat template; start the server with a chat template or use the completions API",
                 param="messages",
             )
+        import jinja2  # here: 0.1-0.5 s of start-up that a completion never needs
+
         try:
             return self.hf.apply_chat_template(
                 normalize_messages(messages),
@@ -139,7 +147,7 @@ def _content_text(message: dict[str, Any], i: int) -> str:
     )
 
 
-def _byte_fallback_ids(hf: PreTrainedTokenizerBase) -> frozenset[int]:
+def _byte_fallback_ids(hf: PreTrainedTokenizerBase | RustTokenizerFiles) -> frozenset[int]:
     """Ids of sentencepiece byte-fallback tokens <0x00>..<0xFF>, or none when the vocab lacks any of them."""
     pieces = [f"<0x{b:02X}>" for b in range(256)]
     ids = hf.convert_tokens_to_ids(pieces)
@@ -157,6 +165,9 @@ def load_tokenizer(path: str, chat_template: str | None = None) -> Tokenizer:
     if not os.path.isdir(path):
         raise ModelLoadError(f"tokenizer path {path!r} is not a directory")
     template = _read_chat_template(chat_template)
+    fast = RustTokenizerFiles.open(path)
+    if fast is not None:
+        return Tokenizer(fast, template)
     # Imported here: transformers brings in torch, seconds that `import llmrt.tokenizer` need not pay.
     from transformers import AutoTokenizer, GPT2Tokenizer
 

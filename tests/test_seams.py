@@ -17,6 +17,7 @@ from torch import nn
 from llmrt import LLM, SamplingParams
 from llmrt.attention import ATTENTION_BACKENDS, build_common_metadata, register_attention_backend, select_attention_backend
 from llmrt.attention.base import AttentionBackend
+from llmrt.attention.cpu_paged import CpuPagedAttentionBackend
 from llmrt.attention.metadata import CommonAttentionMetadata
 from llmrt.config import EngineConfig
 from llmrt.engine.admission import AdmissionController
@@ -118,8 +119,10 @@ def test_a_new_attention_backend_plugs_in_without_touching_the_models(arch, chec
 
 def test_backend_selection(per_sequence_backend):
     cpu = torch.device("cpu")
-    assert select_attention_backend("auto", cpu).name == "torch"  # the new one has the same priority, torch first
-    with pytest.raises(UnsupportedError, match="known: auto, batch_invariant, test-per-sequence, torch"):
+    # The new one has torch's priority, and torch registered first; cpu_paged outranks both where its kernel builds.
+    assert select_attention_backend("auto", cpu).name == ("cpu_paged" if CpuPagedAttentionBackend.supports(cpu)
+                                                          else "torch")
+    with pytest.raises(UnsupportedError, match="known: auto, batch_invariant, cpu_paged, test-per-sequence, torch"):
         select_attention_backend("flash", cpu)
     with pytest.raises(UnsupportedError, match="does not run on cuda"):
         select_attention_backend(per_sequence_backend, torch.device("cuda"))

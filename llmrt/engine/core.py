@@ -47,7 +47,7 @@ class EngineCore:
     """Owns the scheduler and the block manager, and steps the executor it is handed; sees tokens, never text."""
 
     def __init__(self, config: EngineConfig, executor: Optional[Executor] = None, tokenizer: Any = None):
-        """`executor`: default, the one `config.parallel` names. `tokenizer`: a HF tokenizer or its directory
+        """`executor`: default, the one `config.parallel` names. `tokenizer`: a HF or llmrt tokenizer or its directory
         (default: the model's), read only for structured output."""
         self.config = config
         self.executor = executor if executor is not None else create_executor(config)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -12,9 +13,11 @@ from llmrt.errors import InvalidRequestError
 from llmrt.executor import create_executor
 from llmrt.outputs import RequestOutput
 from llmrt.sampling_params import SamplingParams
+from llmrt.startup import StartupTimer
 from llmrt.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = Union[str, list[int]]
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -22,11 +25,19 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, *, dtype: str = "auto", tokenizer: Optional[str] = None,
                  chat_template: Optional[str] = None, **engine_options: Any):
+        timer = StartupTimer()
         self.config = EngineConfig.create(model, dtype=dtype, **engine_options)
+        timer.mark("config")
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer or self.config.model.model, chat_template)
-        self.engine = EngineCore(self.config, create_executor(self.config), self.tokenizer.hf)
+        timer.mark("tokenizer")
+        executor = create_executor(self.config)
+        timer.mark("model")
+        self.engine = EngineCore(self.config, executor, self.tokenizer)
+        timer.mark("KV cache and scheduler")
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.startup = timer
+        logger.info(timer.describe())
 
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer prompts are encoded with."""

@@ -5,15 +5,24 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from typing import Any, Optional
+import importlib
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import xgrammar as xgr
 
 from llmrt.errors import InvalidRequestError
 from llmrt.structured.spec import StructuredOutputs
 
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
 logger = logging.getLogger(__name__)
+
+
+def _xgr() -> Any:
+    """xgrammar, imported on first use: it pulls in transformers and torch._dynamo (seconds at start-up)
+    that a request without a constraint never needs."""
+    return importlib.import_module("xgrammar")
 
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[17:52:06] /project/cpp/x.cc:94: " on compiler errors
 _CACHE_LIMIT = 256  # compiled grammars kept; the oldest goes first
@@ -36,11 +45,11 @@ def _grammar_error(spec: StructuredOutputs, error: Exception) -> InvalidRequestE
 def json_schema_grammar(schema_text: str, strict_mode: bool = True) -> xgr.Grammar:
     """The grammar of a JSON schema: fixed separators and no free whitespace, so that bounded schemas give
     bounded outputs."""
-    grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=strict_mode)
+    grammar = _xgr().Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=strict_mode)
     text = fixed = str(grammar)
     for loose in _XGRAMMAR_STRING_CHARS:  # JSON forbids raw control characters; UTF-8 has no surrogates
         fixed = fixed.replace(loose, _JSON_STRING_CHAR)
-    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+    return grammar if fixed == text else _xgr().Grammar.from_ebnf(fixed)
 
 
 # Constraints validate_structured passed: the server checks them on a worker thread, and AsyncLLM.generate
@@ -68,9 +77,9 @@ def _check_compiles(spec: StructuredOutputs) -> None:
         if kind == "json":
             json_schema_grammar(spec.json_schema_text or "")
         elif kind == "regex":
-            xgr.Grammar.from_regex(spec.regex or "")
+            _xgr().Grammar.from_regex(spec.regex or "")
         elif kind in ("grammar", "choice"):
-            xgr.Grammar.from_ebnf(spec.grammar if kind == "grammar" else spec.ebnf() or "")
+            _xgr().Grammar.from_ebnf(spec.grammar if kind == "grammar" else spec.ebnf() or "")
     except InvalidRequestError:
         raise
     except Exception as e:  # xgrammar raises RuntimeError/ValueError with the parser's message
@@ -111,7 +120,8 @@ class StructuredBackend:
     the engine's EOS ids as the tokens that end a grammar. The tokenizer loads on first use."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
-        """`tokenizer`: a HF tokenizer, or the path of a directory to load one from when first needed."""
+        """`tokenizer`: a HF tokenizer, an llmrt Tokenizer, or the path of a directory to load one from, used
+        only when the first constraint compiles."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
@@ -128,9 +138,11 @@ class StructuredBackend:
                 from transformers import AutoTokenizer
 
                 tok = AutoTokenizer.from_pretrained(tok)
-            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
+            elif getattr(tok, "hf", None) is not None:  # an llmrt Tokenizer: its HF tokenizer loads now
+                tok = tok.hf
+            info = _xgr().TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self._compiler = _xgr().GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
     def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
@@ -161,15 +173,15 @@ class StructuredBackend:
 
     def new_grammar(self, compiled: xgr.CompiledGrammar) -> SequenceGrammar:
         """A matcher at the start of `compiled`."""
-        return SequenceGrammar(xgr.GrammarMatcher(compiled))
+        return SequenceGrammar(_xgr().GrammarMatcher(compiled))
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """[rows, ceil(vocab_size / 32)] int32 on the CPU, every token allowed."""
-    return xgr.allocate_token_bitmask(rows, vocab_size)
+    return _xgr().allocate_token_bitmask(rows, vocab_size)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set the logits of disallowed tokens to -inf in `rows`, in place (xgrammar's kernel; CPU or CUDA)."""
     mask = bitmask if bitmask.device == logits.device else bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1], indices=rows)
+    _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1], indices=rows)

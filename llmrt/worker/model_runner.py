@@ -9,9 +9,9 @@ import torch
 
 from llmrt.attention import build_common_metadata, select_attention_backend
 from llmrt.config import EngineConfig
-from llmrt.engine.memory_plan import parameter_bytes
+from llmrt.engine.memory_plan import estimate_activation_peak, parameter_bytes
 from llmrt.engine.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SpecStepStats
-from llmrt.hardware import measure_peak_memory
+from llmrt.hardware import compute_dtype, measure_peak_memory
 from llmrt.model.layers.sampler import Sampler, SamplingMetadata
 from llmrt.model.loader import load_model
 from llmrt.sampling_params import SamplingParams
@@ -59,6 +59,14 @@ class ModelRunner:
         """Bytes of parameters (tied ones counted once)."""
         return parameter_bytes(self.model)
 
+    def estimate_activation_peak(self, tp: int = 1) -> int:
+        """The activation peak of the largest step the scheduler can issue, from the layer shapes (no forward)."""
+        sc = self.config.scheduler
+        num_tokens = min(sc.max_num_batched_tokens, self.config.model.max_model_len)
+        dtype = compute_dtype(self.device, self.config.model.torch_dtype)
+        return estimate_activation_peak(self.config.model.hf_config, num_tokens, min(sc.max_num_seqs, num_tokens),
+                                        dtype, self.kv_spec.num_kv_heads, self.kv_spec.head_dim, tp)
+
     @torch.inference_mode()
     def profile_activation_peak(self, allocate_kv: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]) -> int:
         """Measure the peak memory of the largest step the scheduler can issue (over a throwaway KV cache)."""
@@ -102,8 +110,16 @@ class ModelRunner:
         want_logprobs = False
         if batch.sample_items:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-            result = self.sampler(logits, self._sampling_metadata(batch.sample_items))
-            sampled, lps = self._collect(batch.sample_items, result)
+            if all(_plain_greedy(item) for item in batch.sample_items):
+                # Argmax is then the whole sampler: no per-step metadata tensors, no float copy of the logits.
+                flat = logits.argmax(dim=-1).tolist()
+                sampled, lps, row = [], None, 0
+                for item in batch.sample_items:
+                    sampled.append(flat[row:row + item.num_samples])
+                    row += item.num_samples
+            else:
+                result = self.sampler(logits, self._sampling_metadata(batch.sample_items))
+                sampled, lps = self._collect(batch.sample_items, result)
             tokens.update((id(i), t) for i, t in zip(batch.sample_items, sampled))
             if lps is not None:
                 want_logprobs = True
@@ -251,6 +267,14 @@ class ModelRunner:
                 logprobs.append(group)
             row += item.num_samples
         return sampled, logprobs if want_logprobs else None
+
+
+def _plain_greedy(item: ScheduledSequence) -> bool:
+    """Greedy with nothing that changes logits before the argmax or asks for more than the token."""
+    p = item.seq.params
+    return (p.greedy and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and item.seq.grammar is None
+            and len(item.seq.output_token_ids) >= p.min_tokens)
 
 
 def _prompt_logprob_rows(item: ScheduledSequence) -> int:

@@ -43,7 +43,13 @@ class Worker:
         cc = self.config.cache
         runner = self.model_runner
         weights = sum(r.weights_bytes() for r in self._kv_runners)
-        activation = runner.profile_activation_peak(lambda n: self._allocate(n, runner))
+        if self.device.type == "cpu":
+            # The CPU KV budget is a fixed size, not what activations leave over: the peak only goes in the report,
+            # so it is estimated (memory_plan's formula, checked against a measurement in tests/test_memory_plan)
+            # rather than measured by a max-size forward pass under a dispatch-mode tracker, seconds of start-up.
+            activation = runner.estimate_activation_peak(self.config.parallel.tensor_parallel_size)
+        else:
+            activation = runner.profile_activation_peak(lambda n: self._allocate(n, runner))
         # A draft model's KV shares the target's blocks: each block holds both.
         per_token = sum(self._bytes_per_token(r) for r in self._kv_runners)
         block_bytes = per_token * self.block_size

@@ -1,0 +1,76 @@
+"""The `cpu_paged` attention backend (decodes read the paged cache in place) against the `torch` reference."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llmrt import LLM, SamplingParams
+from llmrt.attention import build_common_metadata, select_attention_backend
+from llmrt.attention.cpu_paged import CpuPagedAttentionBackend, load_kernel
+from llmrt.model.layers.attention import Attention
+
+pytestmark = pytest.mark.skipif(load_kernel() is None, reason="the cpu_paged kernel cannot be built here")
+
+
+def _decode_step(backend_name: str, kv_dtype: torch.dtype, window, seed: int = 0) -> torch.Tensor:
+    """One decode step of 5 sequences with scattered blocks, from caches already holding their context."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim, bs, num_blocks = 8, 2, 32, 4, 64
+    lens = [1, 5, 17, 40, 9]
+    perm = random.Random(seed).sample(range(num_blocks), num_blocks)  # non-contiguous block ids
+    tables, used = [], 0
+    for n in lens:
+        nb = -(-n // bs)
+        tables.append(perm[used:used + nb])
+        used += nb
+    k_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=g).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=g).to(kv_dtype)
+    layer = Attention(heads, kv_heads, dim, dim ** -0.5, sliding_window=window)
+    backend = select_attention_backend(backend_name, torch.device("cpu"))
+    layer.bind(k_cache, v_cache, backend)
+    positions = torch.tensor([n - 1 for n in lens])
+    common = build_common_metadata(tables, [1] * len(lens), lens, positions, len(lens), bs, torch.device("cpu"))
+    meta = backend.build_metadata(common)
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    k = torch.randn(len(lens), kv_heads, dim, generator=g)
+    v = torch.randn(len(lens), kv_heads, dim, generator=g)
+    return layer(q, k, v, meta)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_kernel_matches_the_torch_backend(kv_dtype, window):
+    ref = _decode_step("torch", kv_dtype, window)
+    got = _decode_step("cpu_paged", kv_dtype, window)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=1)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "mistral", "gpt2"])
+def test_greedy_tokens_unchanged_in_float32(arch, checkpoints):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(2, 40))] for _ in range(6)]
+    outs = {}
+    for name in ("torch", "cpu_paged"):
+        llm = LLM(str(checkpoints[arch]), dtype="float32", block_size=4, max_num_batched_tokens=32, max_num_seqs=8,
+                  attention_backend=name)
+        outs[name] = [o.outputs[0] for o in llm.generate(prompts, GREEDY)]
+    for a, b in zip(outs["torch"], outs["cpu_paged"]):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x[t] - y[t]) for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids)) < 1e-4
+
+
+def test_auto_picks_it_on_cpu_and_the_switch_turns_it_off(monkeypatch):
+    assert select_attention_backend("auto", torch.device("cpu")).name == "cpu_paged"
+    monkeypatch.setenv("LLMRT_ATTENTION_KERNEL", "0")
+    load_kernel.cache_clear()
+    try:
+        assert not CpuPagedAttentionBackend.supports(torch.device("cpu"))
+        assert select_attention_backend("auto", torch.device("cpu")).name == "torch"
+    finally:
+        monkeypatch.delenv("LLMRT_ATTENTION_KERNEL")
+        load_kernel.cache_clear()
