@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--src", default=str(PEERS / "models" / "llama-syn-f32.gguf"))
     ap.add_argument("--workload", default=str(PEERS / "models" / "workload.json"))
     ap.add_argument("--llama-python", default=str(PEERS / "venv-llama" / "bin" / "python"))
-    ap.add_argument("--cache", default=str(PEERS / "quant"), help="where the Q8_0/Q4_0 GGUFs are written")
+    ap.add_argument("--cache", default="/tmp/llmrt-gguf-quant", help="where the Q8_0/Q4_0 GGUFs are written")
     args = ap.parse_args()
 
     from llmrt.bench.report import load_average, machine_info, now_iso

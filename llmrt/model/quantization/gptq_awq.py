@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from llmrt.errors import UnsupportedError
-from llmrt.model.layers.weights import set_weight_loader
+from llmrt.model.layers.weights import copy_checked, set_weight_loader
 from llmrt.model.quantization.int4 import Int4Config, Int4LinearMethod
 
 if TYPE_CHECKING:
@@ -155,8 +155,6 @@ class CheckpointInt4Method(Int4LinearMethod):
     @staticmethod
     def _loader(layer: "Linear"):
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int] = None) -> None:
-            from llmrt.model.layers.weights import copy_checked
-
             if shard_id is None:
                 copy_checked(param.data, loaded)
                 return
