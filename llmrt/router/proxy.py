@@ -4,9 +4,9 @@ Safe to retry (on another instance, within the retry budget): a connection that 
 response byte, 429, and 503-like answers an llmrt body does not mark `retryable: false`. Never: 4xx (408
 included), 500, and a stream that already sent an event (its client gets one clean error event instead).
 
-The upstream client is aiohttp (C-accelerated HTTP parsing): on this hop it costs about a third of the CPU per
-request that httpx did (measured in benchmarks/router.md), and the router's CPU per request is its added latency
-on a busy machine.
+The upstream client is aiohttp (C-accelerated HTTP parsing): it costs about a third of httpx's client CPU per
+request, and the router's whole CPU per request fell by half (benchmarks/README.md, "The hop"); on a busy
+machine the router's CPU per request is its added latency.
 """
 from __future__ import annotations
 
