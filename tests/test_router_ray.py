@@ -48,7 +48,9 @@ def _backends(base: str) -> list[dict]:
 
 
 def test_ray_replicas_spread_and_restart(ray_cluster):
+    # --ray-replica-host: on a joined cluster replicas would bind the node's IP; tests talk to loopback only.
     router = instances.start("route", "--ray-replicas", "2", "--ray-address", ray_cluster, "--port", "0",
+                             "--ray-replica-host", "127.0.0.1",
                              "--admin-api-key", "router-admin", "--health-interval", "0.3", "--eject-after", "1",
                              "--cooldown", "1.0", "--disable-access-log", cwd=str(REPO))
     try:
@@ -56,6 +58,7 @@ def test_ray_replicas_spread_and_restart(ray_cluster):
         assert wait_until(lambda: httpx.get(f"{base}/health").json()["available_backends"] == 2, 60)
         actors = [ray.get_actor(f"llmrt-replica-{router.proc.pid}-{i}", namespace="llmrt") for i in range(2)]
         infos = ray.get([a.info.remote() for a in actors], timeout=30)
+        assert all(x["url"].startswith("http://127.0.0.1:") for x in infos)
         names = {x["url"].split("//")[1] for x in infos}
         assert {b["url"].split("//")[1] for b in _backends(base)} == names
         assert _served(base, 6) == {name: 3 for name in names}  # round-robin over both replicas

@@ -160,3 +160,21 @@ def test_bench_serve_shared_prefixes():
     r0, r1, r2 = (w.request(i) for i in range(3))
     assert r0.prompt[:5] == r2.prompt[:5] != r1.prompt[:5] and r0.prompt[5:] != r2.prompt[5:]
     assert (r0.prompt_len, len(r0.prompt)) == (8, 8)
+
+
+def test_ray_replica_host_is_the_node_ip_only_on_a_joined_cluster():
+    """--ray-replicas: a replica on a cluster the router joined binds its node's IP (other nodes' replicas must
+    be reachable); in the router's own local Ray, loopback; --ray-replica-host wins. Nothing is bound here."""
+    from llmrt.router.ray_replicas import replica_host
+
+    asked: list[int] = []
+
+    def node_ip() -> str:
+        asked.append(1)
+        return "10.0.0.7"
+
+    assert replica_host(None, True, node_ip) == "10.0.0.7" and len(asked) == 1
+    assert replica_host(None, False, node_ip) == "127.0.0.1" and len(asked) == 1  # not even asked
+    assert replica_host("127.0.0.1", True, node_ip) == "127.0.0.1" and len(asked) == 1
+    assert replica_host("::1", False, node_ip) == "::1"
+

@@ -5,8 +5,8 @@ N `llmrt serve` instances and one `llmrt route` process start here on 127.0.0.1.
 `llmrt bench serve` load (streaming completions; request i starts with shared prefix i mod K) once per policy,
 the policy switched on the running router (PUT /admin/policy), in a rotating order; every run draws fresh
 prefixes (its own seed), so no policy finds another's prefixes cached. Per policy the best round (lowest mean
-TTFT) is kept. Added latency: requests sent alternately straight to an instance and through the router (a
-1-token completion, and /tokenize, which involves no engine step, so it times the hop alone); the paired
+TTFT) is kept. Added latency: requests sent alternately straight to an instance and through the router to that
+same instance (a 1-token completion, and /tokenize, which involves no engine step, so it times the hop alone); the paired
 differences' p50/p99, next to the router's own in-process time (its llmrt_router_overhead_seconds histogram).
 """
 from __future__ import annotations
@@ -72,14 +72,18 @@ async def _policy_run(base: str, args: argparse.Namespace, seed: int) -> dict[st
 
 
 async def _pairs(base: str, urls: list[str], n: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """n requests to `path` straight to an instance and n through the router (which round-robins over the same
-    instances), alternating which goes first; p50/p99 of each and of the paired differences."""
+    """n requests to `path` straight to an instance and n through the router to the same instance (the router's
+    policy is `session` meanwhile and every body carries one `user`), alternating which goes first; p50/p99 of
+    each and of the paired differences."""
     direct: list[float] = []
     routed: list[float] = []
+    body = {**body, "user": "bench-router-hop"}
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_keepalive_connections=20)) as client:
+        served = (await client.post(f"{base}{path}", json=body)).headers["x-llmrt-instance"]
+        (same,) = [u for u in urls if u.split("//", 1)[1] == served]
         for i in range(n + 5):
             pair = []
-            for url in ((urls[i % len(urls)], base) if i % 2 else (base, urls[i % len(urls)])):
+            for url in ((same, base) if i % 2 else (base, same)):
                 t = time.perf_counter()
                 r = await client.post(f"{url}{path}", json=body)
                 pair.append((url, time.perf_counter() - t, r.status_code))
@@ -163,7 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"{s['cached_share']:.2f}, failed {s['num_failed']}, load {s['load_1m']}")
                     if policy not in best or s["ttft"]["mean_ms"] < best[policy]["ttft"]["mean_ms"]:
                         best[policy] = s
-            httpx.put(f"{base}/admin/policy", json={"policy": "round-robin"},
+            httpx.put(f"{base}/admin/policy", json={"policy": "session"},
                       headers={"Authorization": f"Bearer {admin}"}).raise_for_status()
             overhead = asyncio.run(_overhead(base, urls, args.overhead_requests, router.proc.pid))
             overhead["router_histogram_ms"] = _histogram_quantiles(httpx.get(f"{base}/metrics").text,

@@ -20,7 +20,7 @@ from llmrt.router.backends import BackendPool, HealthConfig
 from llmrt.router.metrics import RouterMetrics
 from llmrt.router.policies import make_policy
 from llmrt.router.prompts import PrefixConfig
-from llmrt.router.proxy import Router
+from llmrt.router.proxy import Router, upstream_session
 from llmrt.router.retry import RetryBudget
 from llmrt.router.versions import VersionRules, parse_canary
 from llmrt.server.auth import ApiKeyMiddleware
@@ -54,20 +54,21 @@ class RouterConfig:
 
 def build_router_app(cfg: RouterConfig) -> Starlette:
     """The router app; its backends are checked once before it serves and every interval after."""
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=30.0)
-    timeout = httpx.Timeout(cfg.upstream_timeout, connect=min(5.0, cfg.upstream_timeout))
-    client = httpx.AsyncClient(limits=limits, timeout=timeout)
+    # Health checks (a few requests a second, off the request path) on httpx; the relay on aiohttp (proxy.py).
+    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=100, keepalive_expiry=30.0),
+                               timeout=httpx.Timeout(cfg.upstream_timeout, connect=min(5.0, cfg.upstream_timeout)))
     pool = BackendPool(cfg.backends, cfg.health, client, api_key=cfg.backend_api_key)
     metrics = RouterMetrics(snapshot=lambda: [b.snapshot() for b in pool.backends])
     pool.on_eject = lambda b, reason: metrics.ejections.labels(b.name).inc()
     versions = VersionRules()
     versions.set_canary(cfg.canary)
     router = Router(pool=pool, policy=make_policy(cfg.policy, cfg.load_factor), versions=versions,
-                    budget=RetryBudget(cfg.retry_ratio, cfg.retry_min), metrics=metrics, client=client,
+                    budget=RetryBudget(cfg.retry_ratio, cfg.retry_min), metrics=metrics,
                     prefix=cfg.prefix, max_retries=cfg.max_retries, backend_api_key=cfg.backend_api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        router.client = upstream_session(cfg.upstream_timeout)
         await pool.check_all()
         pool.start()
         tasks = [asyncio.create_task(w(pool)) for w in cfg.watchers]
@@ -79,6 +80,7 @@ def build_router_app(cfg: RouterConfig) -> Starlette:
             await asyncio.gather(*tasks, return_exceptions=True)
             await pool.stop()
             await client.aclose()
+            await router.client.close()
 
     async def health(request: Request) -> Response:
         n = len(pool.available())

@@ -33,8 +33,12 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
                      help="start N `llmrt serve MODEL` instances as Ray actors (restarted by Ray when they die); "
                           "needs pip install 'llmrt[ray]'")
     src.add_argument("--ray-address", default=None, metavar="auto|ADDR",
-                     help="the Ray cluster for --ray-replicas (llmrt must be importable on its nodes); "
-                          "unset, a local one is started in-process")
+                     help="the Ray cluster for --ray-replicas (llmrt must be importable on its nodes); replicas "
+                          "then listen on their node's IP, reachable from other nodes: set --backend-api-key. "
+                          "Unset, a local Ray is started in-process and replicas listen on 127.0.0.1")
+    src.add_argument("--ray-replica-host", default=None, metavar="HOST",
+                     help="the address every replica listens on and is reached at, instead of the above (e.g. "
+                          "127.0.0.1 on a single-node cluster)")
     src.add_argument("--ray-cpus-per-replica", type=float, default=1.0, metavar="CPUS",
                      help="Ray CPUs each replica's placement bundle reserves (default: 1)")
     g = p.add_argument_group("routing")
@@ -108,12 +112,16 @@ def run_route(args: argparse.Namespace) -> int:
         if args.ray_replicas:
             from llmrt.router.ray_replicas import ray_replicas
 
+            if args.ray_address and not args.ray_replica_host and not args.backend_api_key:
+                print("llmrt route: warning: replicas will listen on their nodes' addresses without an API key; "
+                      "anyone who can reach those nodes can use them (set --backend-api-key)", file=sys.stderr)
             print(f"llmrt route: starting {args.ray_replicas} Ray replicas of {args.model or 'the embedded model'}"
                   "...", file=sys.stderr, flush=True)
             try:
                 replicas = stack.enter_context(ray_replicas(
                     args.ray_replicas, args.model, extra, address=args.ray_address,
-                    cpus_per_replica=args.ray_cpus_per_replica, poll_s=args.health_interval))
+                    cpus_per_replica=args.ray_cpus_per_replica, poll_s=args.health_interval,
+                    host=args.ray_replica_host))
             except (RuntimeError, ConnectionError) as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2

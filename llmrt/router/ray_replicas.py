@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from llmrt.router.backends import BackendPool
 from llmrt.router.instances import Process, start, stop, wait_healthy
@@ -16,13 +16,28 @@ from llmrt.router.instances import Process, start, stop, wait_healthy
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "llmrt"  # named actors live here, so that other drivers (a test, an operator) can find them
+LOOPBACK = "127.0.0.1"
+
+
+def replica_host(override: Optional[str], on_cluster: bool, node_ip: Callable[[], str]) -> str:
+    """The address a replica's `llmrt serve` binds and reports: `override` (`--ray-replica-host`) when given;
+    else, on a cluster the router joined (`--ray-address`), where a replica may run on another node, its node's
+    IP (`node_ip()`, asked on that node), so the router can reach it; else (the local single-node Ray the router
+    starts itself) loopback, which exposes nothing."""
+    if override:
+        return override
+    return node_ip() if on_cluster else LOOPBACK
 
 
 class ServeReplica:
     """A Ray actor that owns one `llmrt serve` child process; it dies with the child, so Ray restarts both."""
 
-    def __init__(self, cli_args: list[str], startup_timeout: float) -> None:
-        self._process: Process = start("serve", *cli_args, "--host", "127.0.0.1", "--port", "0")
+    def __init__(self, cli_args: list[str], startup_timeout: float, host: Optional[str] = None,
+                 on_cluster: bool = False) -> None:
+        import ray
+
+        host = replica_host(host, on_cluster, ray.util.get_node_ip_address)
+        self._process: Process = start("serve", *cli_args, "--host", host, "--port", "0")
         self._stopping = False
         try:
             self._url = wait_healthy(self._process, startup_timeout)
@@ -93,8 +108,9 @@ def _ray() -> Any:
 @contextlib.contextmanager
 def ray_replicas(n: int, model: Optional[str], extra_args: list[str], address: Optional[str] = None,
                  cpus_per_replica: float = 1.0, startup_timeout: float = 300.0,
-                 poll_s: float = 1.0) -> Iterator[RayReplicas]:
-    """Connect to (address) or start a Ray cluster, place n replica actors, yield them once all serve."""
+                 poll_s: float = 1.0, host: Optional[str] = None) -> Iterator[RayReplicas]:
+    """Connect to (address) or start a Ray cluster, place n replica actors, yield them once all serve (each on
+    the address `replica_host` chooses)."""
     ray = _ray()
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -114,7 +130,7 @@ def ray_replicas(n: int, model: Optional[str], extra_args: list[str], address: O
             actors.append(cls.options(
                 name=f"llmrt-replica-{os.getpid()}-{i}", namespace=NAMESPACE,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote(cli_args, startup_timeout))
+            ).remote(cli_args, startup_timeout, host, address is not None))
         infos = ray.get([a.info.remote() for a in actors], timeout=startup_timeout)
         yield RayReplicas(actors=actors, urls=[x["url"] for x in infos], placement_group=pg, poll_s=poll_s)
     finally:

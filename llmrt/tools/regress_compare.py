@@ -1,6 +1,8 @@
 """`llmrt regress compare`: replay a golden file's requests against another endpoint and report what changed.
 
-Reported: the exact-match rate (same tokens and finish reason); for each mismatch the first diverging token
+Outputs are compared on token ids when both runs have them (the endpoints honour vLLM's
+`return_tokens_as_token_ids`), else on token texts, else (only one run has ids) on the text's characters; the
+report says which. Reported: the exact-match rate (same tokens and finish reason); for each mismatch the first diverging token
 position and the logprob margin there in both runs (how much likelier each run found its own token than the
 other run's: a margin near zero is a near-tie flip, a large one a real change); finish-reason changes; TTFT,
 TPOT and end-to-end percentiles old vs new with the change in %; the server's memory figures old vs new
