@@ -1,0 +1,153 @@
+"""This process's place in the tensor-parallel group, and the collectives the model layers call.
+
+One rank lives in one process, so the group is process state: `init_distributed` sets it once, layers read the
+shard they build (`tp_shard()`) and call `all_reduce` / `gather_to_first`, which are no-ops at one rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Which slice of every split layer this process builds: rank `rank` of `size`."""
+
+    rank: int = 0
+    size: int = 1
+
+
+@dataclass
+class CollectiveStats:
+    """Time spent inside collectives and bytes they moved, since the last `take_stats()`."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+    calls: int = 0
+    _events: list = field(default_factory=list, repr=False)  # CUDA (start, end) pairs resolved at take time
+
+
+_SHARD = TPShard()
+_COMM: Optional["Communicator"] = None
+
+
+def tp_shard() -> TPShard:
+    """The shard layers built now belong to (rank 0 of 1 outside tensor parallelism)."""
+    return _SHARD
+
+
+@contextlib.contextmanager
+def building_shard(rank: int, size: int) -> Iterator[None]:
+    """Build layers as rank `rank` of `size` (`llmrt plan` sizes one rank's model on the meta device)."""
+    global _SHARD
+    old = _SHARD
+    _SHARD = TPShard(rank, size)
+    try:
+        yield
+    finally:
+        _SHARD = old
+
+
+class Communicator:
+    """The tensor-parallel group of this process: timed all-reduce and gather-to-rank-0."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, size: int, device: torch.device):
+        self.group, self.rank, self.size, self.device = group, rank, size, device
+        self.stats = CollectiveStats()
+
+    @contextlib.contextmanager
+    def _timed(self, nbytes: int) -> Iterator[None]:
+        self.stats.calls += 1
+        self.stats.bytes += nbytes
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.stats._events.append((start, end))
+            return
+        t0 = time.perf_counter()
+        yield
+        self.stats.seconds += time.perf_counter() - t0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place; returns it."""
+        with self._timed(t.numel() * t.element_size()):
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def gather_to_first(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """Rank 0: every rank's `t` concatenated along the last dim (rank order); other ranks: None."""
+        parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else None
+        with self._timed(t.numel() * t.element_size()):
+            dist.gather(t.contiguous(), parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def all_min(self, value: int) -> int:
+        """The smallest `value` over the ranks (KV block counts must agree)."""
+        t = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def take_stats(self) -> CollectiveStats:
+        """The stats since the last call (CUDA timings resolved here), and start counting afresh."""
+        s = self.stats
+        if s._events:
+            torch.cuda.synchronize(self.device)
+            s.seconds += sum(a.elapsed_time(b) for a, b in s._events) / 1000.0
+            s._events = []
+        self.stats = CollectiveStats()
+        return s
+
+
+def communicator() -> Optional[Communicator]:
+    """This process's communicator, or None at one rank."""
+    return _COMM
+
+
+def all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the tensor-parallel ranks (identity at one rank)."""
+    return _COMM.all_reduce(t) if _COMM is not None else t
+
+
+def gather_to_first(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """Concatenate the ranks' `t` on rank 0 (identity at one rank)."""
+    return _COMM.gather_to_first(t) if _COMM is not None else t
+
+
+def backend_for(device: torch.device) -> str:
+    """nccl between CUDA devices, gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> Communicator:
+    """Join the process group (every collective fails after `timeout_s` instead of hanging) and set this
+    process's shard and communicator."""
+    global _SHARD, _COMM
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device), init_method=init_method, world_size=size, rank=rank,
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            **({"device_id": device} if device.type == "cuda" else {}))
+    _SHARD = TPShard(rank, size)
+    _COMM = Communicator(None, rank, size, device)
+    logger.info("rank %d of %d joined the %s group", rank, size, backend_for(device))
+    return _COMM
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group (a no-op when none was joined)."""
+    global _SHARD, _COMM
+    _SHARD, _COMM = TPShard(), None
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
