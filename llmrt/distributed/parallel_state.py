@@ -124,6 +124,12 @@ def gather_to_first(t: torch.Tensor) -> Optional[torch.Tensor]:
     return _COMM.gather_to_first(t) if _COMM is not None else t
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of tensor-parallel rank `rank`: cuda:N+rank from cuda:N, the CPU for every rank on CPU."""
+    d = torch.device(device)
+    return torch.device("cuda", (d.index or 0) + rank) if d.type == "cuda" else d
+
+
 def backend_for(device: torch.device) -> str:
     """nccl between CUDA devices, gloo between CPU processes."""
     return "nccl" if device.type == "cuda" else "gloo"

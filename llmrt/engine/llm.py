@@ -28,6 +28,10 @@ class LLM:
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the executor's other ranks (a no-op with one rank)."""
+        self.engine.executor.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer prompts are encoded with."""
         return self.tokenizer

@@ -4,10 +4,12 @@ from __future__ import annotations
 from llmrt.config import EngineConfig
 from llmrt.errors import UnsupportedError
 from llmrt.executor.base import Executor
+from llmrt.executor.multiproc import MultiprocExecutor
 from llmrt.executor.uniproc import UniProcExecutor
 
 EXECUTORS: dict[str, type[Executor]] = {
     UniProcExecutor.name: UniProcExecutor,
+    MultiprocExecutor.name: MultiprocExecutor,
 }
 
 
@@ -20,4 +22,4 @@ def create_executor(config: EngineConfig) -> Executor:
     return EXECUTORS[name](config)
 
 
-__all__ = ["EXECUTORS", "Executor", "UniProcExecutor", "create_executor"]
+__all__ = ["EXECUTORS", "Executor", "MultiprocExecutor", "UniProcExecutor", "create_executor"]
