@@ -36,6 +36,33 @@ class CollectiveStats:
     _events: list = field(default_factory=list, repr=False)  # CUDA (start, end) pairs resolved at take time
 
 
+# Upper bounds (seconds) of the per-step collective-time histogram (/metrics llmrt_collective_seconds).
+COLLECTIVE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass
+class CollectiveTotals:
+    """Rank 0's collective figures summed over steps (the engine core keeps one)."""
+
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * len(COLLECTIVE_BUCKETS))
+    seconds: float = 0.0
+    steps: int = 0
+    step_seconds: float = 0.0
+    bytes: int = 0
+    tokens: int = 0
+
+    def observe(self, seconds: float, nbytes: int, step_seconds: float, tokens: int) -> None:
+        """Add one step."""
+        for i, bound in enumerate(COLLECTIVE_BUCKETS):
+            if seconds <= bound:
+                self.bucket_counts[i] += 1
+        self.seconds += seconds
+        self.steps += 1
+        self.step_seconds += step_seconds
+        self.bytes += nbytes
+        self.tokens += tokens
+
+
 _SHARD = TPShard()
 _COMM: Optional["Communicator"] = None
 
