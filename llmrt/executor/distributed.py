@@ -13,7 +13,7 @@ from llmrt.distributed.parallel_state import Communicator, init_distributed, ran
 from llmrt.distributed.worker_proc import set_rank_threads
 from llmrt.engine.memory_plan import MemoryPlan
 from llmrt.engine.step import BlockMoves, ModelRunnerOutput, SchedulerOutput, StepInput
-from llmrt.errors import UnsupportedError
+from llmrt.errors import EngineDeadError, UnsupportedError
 from llmrt.executor.base import Executor
 from llmrt.worker.worker import Worker
 
@@ -105,7 +105,14 @@ class DistributedExecutor(Executor):
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         self._check_alive()
-        out = self.worker.execute(step)  # its step_listener sends the StepInput first
+        try:
+            out = self.worker.execute(step)  # its step_listener sends the StepInput first
+        except RuntimeError as e:  # torch.distributed raises RuntimeError subclasses for failed collectives
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            self._check_alive()
+            raise EngineDeadError(f"a tensor-parallel step failed (a rank died, or hung past --distributed-timeout "
+                                  f"{self.config.parallel.distributed_timeout:g} s): {e}") from e
         stats = self.comm.take_stats()
         out.collective_seconds, out.collective_bytes = stats.seconds, stats.bytes
         return out
