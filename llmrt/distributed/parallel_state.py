@@ -87,9 +87,16 @@ def building_shard(rank: int, size: int) -> Iterator[None]:
 class Communicator:
     """The tensor-parallel group of this process: timed all-reduce and gather-to-rank-0."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, size: int, device: torch.device):
-        self.group, self.rank, self.size, self.device = group, rank, size, device
+    def __init__(self, step_group: Optional[dist.ProcessGroup], rank: int, size: int, device: torch.device):
+        # Start-up (loading, profiling) runs on the default group and its long timeout; steps on `step_group`.
+        self.group: Optional[dist.ProcessGroup] = None
+        self.step_group = step_group
+        self.rank, self.size, self.device = rank, size, device
         self.stats = CollectiveStats()
+
+    def use_step_timeout(self) -> None:
+        """From now on collectives fail after the step timeout (called by every rank before its first step)."""
+        self.group = self.step_group
 
     @contextlib.contextmanager
     def _timed(self, nbytes: int) -> Iterator[None]:
@@ -162,17 +169,23 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+# How long the ranks may take to meet at start-up (spawning and importing torch is slow on a loaded machine).
+STARTUP_TIMEOUT_S = 180.0
+
+
 def init_distributed(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> Communicator:
-    """Join the process group (every collective fails after `timeout_s` instead of hanging) and set this
-    process's shard and communicator."""
+    """Join the process group and set this process's shard and communicator. The ranks meet within
+    STARTUP_TIMEOUT_S; every later collective fails after `timeout_s` instead of hanging."""
     global _SHARD, _COMM
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), init_method=init_method, world_size=size, rank=rank,
-                            timeout=datetime.timedelta(seconds=timeout_s),
+    backend = backend_for(device)
+    dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
+                            timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)),
                             **({"device_id": device} if device.type == "cuda" else {}))
+    group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
     _SHARD = TPShard(rank, size)
-    _COMM = Communicator(None, rank, size, device)
+    _COMM = Communicator(group, rank, size, device)
     logger.info("rank %d of %d joined the %s group", rank, size, backend_for(device))
     return _COMM
 

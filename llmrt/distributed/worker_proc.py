@@ -34,13 +34,14 @@ class RankServer:
         from llmrt.worker.worker import Worker
 
         set_rank_threads(config)
-        init_distributed(rank, config.parallel.world_size, init_method, rank_device(config.device, rank),
+        self.comm = init_distributed(rank, config.parallel.world_size, init_method, rank_device(config.device, rank),
                          config.parallel.distributed_timeout)
         self.worker = Worker(config, rank=rank)
 
     def handle(self, kind: str, arg: Any) -> Any:
         """Run one message from rank 0; the value goes back only for start-up calls."""
         if kind == "step":
+            self.comm.use_step_timeout()
             self.worker.execute_shard(arg)
             return None
         if kind == "init_cache":

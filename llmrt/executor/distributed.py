@@ -105,6 +105,7 @@ class DistributedExecutor(Executor):
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         self._check_alive()
+        self.comm.use_step_timeout()
         try:
             out = self.worker.execute(step)  # its step_listener sends the StepInput first
         except RuntimeError as e:  # torch.distributed raises RuntimeError subclasses for failed collectives
