@@ -126,3 +126,33 @@ def test_a_dead_or_hung_rank_is_engine_dead_within_the_timeout(fault, models):
     finally:
         os.kill(pid, signal.SIGKILL)
         llm.shutdown()
+
+
+def test_a_rank_reads_only_its_slices_of_the_checkpoint(models):
+    """Rank 1 of 2 loads a GPT-2 Conv1D c_attn ([in, out] on disk) and a row-parallel projection: every read
+    from the memory-mapped file is its slice, never the whole tensor."""
+    from safetensors import safe_open
+
+    from llmrt.distributed.parallel_state import building_shard
+    from llmrt.model.layers.linear import Linear
+    from llmrt.model.layers.weights import CheckpointTensor
+
+    reads = []
+    with safe_open(str(models["gpt2"] / "model.safetensors"), framework="pt") as f:
+        def lazy(name):
+            part = f.get_slice(name)
+            return CheckpointTensor(tuple(part.get_shape()),
+                                    lambda index: reads.append((name, index)) or part[index])
+
+        with building_shard(1, 2):
+            c_attn = Linear(64, [64, 64, 64], True, parallel="column", shards=None)
+            proj = Linear(64, [64], True, parallel="row")
+        c_attn.weight_loader(c_attn.weight, lazy("transformer.h.0.attn.c_attn.weight").t())
+        proj.weight_loader(proj.weight, lazy("transformer.h.0.attn.c_proj.weight").t())
+        whole = f.get_tensor("transformer.h.0.attn.c_attn.weight").t()
+        row_whole = f.get_tensor("transformer.h.0.attn.c_proj.weight").t()
+    assert torch.equal(c_attn.weight.data[:32], whole[32:64])  # q rows of heads 2-3
+    assert torch.equal(c_attn.weight.data[64:], whole[160:192])  # v rows of heads 2-3
+    assert torch.equal(proj.weight.data, row_whole[:, 32:])
+    assert len(reads) == 4  # q, k, v of c_attn and the columns of c_proj: one sliced read each
+    assert all(any(s != slice(None) for s in idx) for _, idx in reads)  # no read took the whole tensor

@@ -132,8 +132,11 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
                     unexpected.append(hf_name)
                 continue
             param = params[name]
+            loader = weight_loader_of(param)
+            tensor = model.transform_weight(hf_name, tensor)
             try:
-                weight_loader_of(param)(param, model.transform_weight(hf_name, tensor), shard)
+                # A loader that reads slices gets the lazy tensor (a tensor-parallel rank reads only its part).
+                loader(param, tensor if getattr(loader, "reads_slices", False) else tensor.load(), shard)
             except ValueError as e:
                 raise ModelLoadError(f"tensor {hf_name!r} {e} (does config.json match the weights?)")
             loaded.add((name, shard))

@@ -9,7 +9,8 @@ from torch import nn
 
 from llmrt.distributed.parallel_state import all_reduce, tp_shard
 from llmrt.model.layers.linear import OutputShard
-from llmrt.model.layers.weights import CheckpointTensor, as_checkpoint_tensor, copy_checked, set_weight_loader
+from llmrt.model.layers.weights import (CheckpointTensor, as_checkpoint_tensor, copy_checked, reads_slices,
+                                        set_weight_loader)
 
 
 def vocab_shard(num_embeddings: int) -> OutputShard:
@@ -36,6 +37,7 @@ class Embedding(nn.Module):
                                         self.weight_loader)
         self.compute_dtype = compute_dtype
 
+    @reads_slices
     def weight_loader(self, param: nn.Parameter, loaded: "torch.Tensor | CheckpointTensor",
                       shard_id: Optional[int] = None) -> None:
         """Copy this rank's rows of the checkpoint's table (zeros in the padding rows)."""

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmrt.distributed.parallel_state import all_reduce, tp_shard
-from llmrt.model.layers.weights import CheckpointTensor, as_checkpoint_tensor, copy_checked, set_weight_loader
+from llmrt.model.layers.weights import (CheckpointTensor, as_checkpoint_tensor, copy_checked, reads_slices,
+                                        set_weight_loader)
 
 if TYPE_CHECKING:
     from llmrt.model.quantization.base import QuantizationConfig
@@ -110,6 +111,7 @@ class Linear(nn.Module):
                  parallel: str = "replicated", shards: Optional[list[OutputShard]] = None):
         super().__init__()
         tp = tp_shard()
+        self.tp_size = tp.size
         self.parallel = parallel if tp.size > 1 else "replicated"
         self.full_output_sizes = list(output_sizes)
         if self.parallel == "column":
@@ -136,6 +138,7 @@ class Linear(nn.Module):
         start = sum(self.output_sizes[:shard])
         return slice(start, start + self.output_sizes[shard])
 
+    @reads_slices
     def weight_loader(self, param: nn.Parameter, loaded: "torch.Tensor | CheckpointTensor",
                       shard_id: Optional[int] = None) -> None:
         """Copy this rank's part of a checkpoint tensor into `param`: the whole fused tensor (shard_id None) or
@@ -144,7 +147,7 @@ class Linear(nn.Module):
         is_bias = param.dim() == 1
         projections = range(len(self.shards)) if shard_id is None else [shard_id]
         full_rows = sum(self.full_output_sizes[i] for i in projections)
-        cols = self.in_features * (tp_shard().size if self.parallel == "row" else 1)
+        cols = self.in_features * (self.tp_size if self.parallel == "row" else 1)
         expected = (full_rows,) if is_bias else (full_rows, cols)
         if tuple(loaded.shape) != expected:
             raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {expected}")

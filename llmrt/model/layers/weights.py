@@ -21,11 +21,20 @@ def copy_checked(target: torch.Tensor, loaded: "torch.Tensor | CheckpointTensor"
     target.copy_(loaded)
 
 
+def reads_slices(loader: WeightLoader) -> WeightLoader:
+    """Mark a loader that takes a lazy CheckpointTensor (and reads only its slice); other loaders get tensors."""
+    loader.reads_slices = True  # type: ignore[attr-defined]
+    return loader
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int] = None) -> None:
     """The whole parameter from one tensor."""
     if shard_id is not None:
         raise ValueError(f"is one tensor, but shard {shard_id} of it was given")
     copy_checked(param.data, loaded)
+
+
+reads_slices(default_weight_loader)
 
 
 def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> nn.Parameter:
