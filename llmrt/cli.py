@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_route_arguments(route)
     route.set_defaults(func=run_route)
+    from llmrt.bench import parallel as bench_parallel
+
+    bp = bench_sub.add_parser("parallel", help="tensor parallelism here: TP=1 vs TP=2 throughput, TPOT, collective "
+                                               "time against the plan estimate, gloo vs shared-memory all-reduce",
+                              description=bench_parallel.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_parallel.add_arguments(bp)
+    bp.set_defaults(func=lambda a: (bench_parallel.run(a), 0)[1])
     from llmrt.bench import router as bench_router
 
     br = bench_sub.add_parser("router", help="routing policies on a shared-system-prompt workload over local "

@@ -100,9 +100,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "refused when the model's heads do not divide, or with more ranks than devices (CUDA) or CPU "
                         "cores (gloo) (default: %(default)s)")
     g.add_argument("--distributed-executor-backend", default=default_of(pc, "distributed_executor_backend"),
-                   choices=["auto", "uni", "mp"],
-                   help="how ranks run: uni (one rank, in the engine core), mp (a spawned process per rank); auto "
-                        "picks uni for one rank, mp for more (default: %(default)s)")
+                   choices=["auto", "uni", "mp", "ray"],
+                   help="how ranks run: uni (one rank, in the engine core), mp (a spawned process per rank), ray "
+                        "(ranks 1..N-1 as actors on the Ray cluster the engine joins: RAY_ADDRESS or the local one; "
+                        "pip install 'llmrt[ray]'); auto picks uni for one rank, mp for more (default: %(default)s)")
     g.add_argument("--distributed-timeout", type=float, default=default_of(pc, "distributed_timeout"),
                    help="seconds a collective waits for the other ranks before the engine is declared dead "
                         "(a hung rank becomes engine_dead, never a hang) (default: %(default)s)")

@@ -10,7 +10,7 @@ import logging
 import os
 import pickle
 import traceback
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -30,13 +30,14 @@ def set_rank_threads(config: EngineConfig) -> None:
 class RankServer:
     """One rank's worker and the handling of rank 0's messages (shared by the process and Ray backends)."""
 
-    def __init__(self, config: EngineConfig, rank: int, init_method: str):
+    def __init__(self, config: EngineConfig, rank: int, init_method: str, device: Optional[torch.device] = None):
         from llmrt.worker.worker import Worker
 
         set_rank_threads(config)
-        self.comm = init_distributed(rank, config.parallel.world_size, init_method, rank_device(config.device, rank),
-                         config.parallel.distributed_timeout)
-        self.worker = Worker(config, rank=rank)
+        device = device or rank_device(config.device, rank)
+        self.comm = init_distributed(rank, config.parallel.world_size, init_method, device,
+                                     config.parallel.distributed_timeout)
+        self.worker = Worker(config, rank=rank, device=device)
 
     def handle(self, kind: str, arg: Any) -> Any:
         """Run one message from rank 0; the value goes back only for start-up calls."""

@@ -47,10 +47,14 @@ class DistributedExecutor(Executor):
 
     def __init__(self, config: EngineConfig):
         super().__init__(config)
-        check_ranks_fit(config)
+        self._check_ranks_fit()
         self._pending_moves: list[BlockMoves] = []
         self.worker: Worker
         self.comm: Communicator
+
+    def _check_ranks_fit(self) -> None:
+        """Refuse more ranks than this machine has devices or cores for (all ranks run here)."""
+        check_ranks_fit(self.config)
 
     def _start_rank0(self, init_method: str) -> None:
         """Join the group as rank 0 and load rank 0's shard (the other ranks must be starting already)."""

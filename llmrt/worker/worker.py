@@ -23,10 +23,10 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per attention layer: (K, V)
 class Worker:
     """Owns a device and everything on it: the model, the KV blocks and the host swap pool."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    def __init__(self, config: EngineConfig, rank: int = 0, device: Optional[torch.device] = None):
         self.config = config
         self.rank = rank
-        self.device = rank_device(config.device, rank)
+        self.device = device or rank_device(config.device, rank)
         if self.device.type == "cpu":
             tune_cpu_allocator()
         torch.manual_seed(config.model.seed)
