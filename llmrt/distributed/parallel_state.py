@@ -1,7 +1,8 @@
-"""This process's place in the tensor-parallel group, and the collectives the model layers call.
+"""A rank's place in the tensor-parallel group, and the collectives the model layers call.
 
-One rank lives in one process, so the group is process state: `init_distributed` sets it once, layers read the
-shard they build (`tp_shard()`) and call `all_reduce` / `gather_to_first`, which are no-ops at one rank.
+`init_distributed` joins the group and returns its `Communicator`; the worker builds its model inside
+`building_shard(rank, size, comm)`, and each split layer keeps the shard it was built as and that communicator.
+Outside that block layers build whole, so an unsplit engine can share the process with a split one.
 """
 from __future__ import annotations
 
@@ -73,15 +74,16 @@ def tp_shard() -> TPShard:
 
 
 @contextlib.contextmanager
-def building_shard(rank: int, size: int) -> Iterator[None]:
-    """Build layers as rank `rank` of `size` (`llmrt plan` sizes one rank's model on the meta device)."""
-    global _SHARD
-    old = _SHARD
-    _SHARD = TPShard(rank, size)
+def building_shard(rank: int, size: int, comm: Optional["Communicator"] = None) -> Iterator[None]:
+    """Build layers as rank `rank` of `size`, talking through `comm` (None: `llmrt plan` sizing one rank's
+    model on the meta device)."""
+    global _SHARD, _COMM
+    old = _SHARD, _COMM
+    _SHARD, _COMM = TPShard(rank, size), comm
     try:
         yield
     finally:
-        _SHARD = old
+        _SHARD, _COMM = old
 
 
 class Communicator:
@@ -144,18 +146,8 @@ class Communicator:
 
 
 def communicator() -> Optional[Communicator]:
-    """This process's communicator, or None at one rank."""
+    """The communicator of the shard being built, or None (one rank, or sizing only)."""
     return _COMM
-
-
-def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the tensor-parallel ranks (identity at one rank)."""
-    return _COMM.all_reduce(t) if _COMM is not None else t
-
-
-def gather_to_first(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """Concatenate the ranks' `t` on rank 0 (identity at one rank)."""
-    return _COMM.gather_to_first(t) if _COMM is not None else t
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -174,9 +166,13 @@ STARTUP_TIMEOUT_S = 180.0
 
 
 def init_distributed(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> Communicator:
-    """Join the process group and set this process's shard and communicator. The ranks meet within
-    STARTUP_TIMEOUT_S; every later collective fails after `timeout_s` instead of hanging."""
-    global _SHARD, _COMM
+    """Join the process group and return this rank's communicator. The ranks meet within STARTUP_TIMEOUT_S;
+    every later collective fails after `timeout_s` instead of hanging. One group per process."""
+    if dist.is_initialized():
+        from llmrt.errors import UnsupportedError
+
+        raise UnsupportedError("this process already belongs to a tensor-parallel group; run one split engine "
+                               "per process", param="tensor_parallel_size")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend_for(device)
@@ -184,16 +180,13 @@ def init_distributed(rank: int, size: int, init_method: str, device: torch.devic
                             timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)),
                             **({"device_id": device} if device.type == "cuda" else {}))
     group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
-    _SHARD = TPShard(rank, size)
-    _COMM = Communicator(group, rank, size, device)
+    comm = Communicator(group, rank, size, device)
     logger.info("rank %d of %d joined the %s group", rank, size, backend_for(device))
-    return _COMM
+    return comm
 
 
 def shutdown_distributed() -> None:
     """Leave the process group (a no-op when none was joined)."""
-    global _SHARD, _COMM
-    _SHARD, _COMM = TPShard(), None
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()

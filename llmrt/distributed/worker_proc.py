@@ -37,7 +37,7 @@ class RankServer:
         device = device or rank_device(config.device, rank)
         self.comm = init_distributed(rank, config.parallel.world_size, init_method, device,
                                      config.parallel.distributed_timeout)
-        self.worker = Worker(config, rank=rank, device=device)
+        self.worker = Worker(config, rank=rank, device=device, comm=self.comm)
 
     def handle(self, kind: str, arg: Any) -> Any:
         """Run one message from rank 0; the value goes back only for start-up calls."""

@@ -61,7 +61,7 @@ class DistributedExecutor(Executor):
         set_rank_threads(self.config)
         self.comm = init_distributed(0, self.config.parallel.world_size, init_method,
                                      rank_device(self.config.device, 0), self.config.parallel.distributed_timeout)
-        self.worker = Worker(self.config, rank=0)
+        self.worker = Worker(self.config, rank=0, comm=self.comm)
         self.worker.model_runner.step_listener = self._send_step
 
     @abstractmethod

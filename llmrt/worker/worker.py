@@ -10,7 +10,7 @@ from llmrt.attention.kv_quant import allocate_kv, kv_bytes_per_token
 from llmrt.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from llmrt.engine.memory_plan import MemoryPlan, kv_budget_bytes, num_kv_blocks
 from llmrt.engine.step import BlockMoves, ModelRunnerOutput, SchedulerOutput, StepInput
-from llmrt.distributed.parallel_state import communicator, rank_device
+from llmrt.distributed.parallel_state import Communicator, building_shard, rank_device
 from llmrt.errors import OutOfMemoryError
 from llmrt.hardware import device_memory_free_total, tune_cpu_allocator
 from llmrt.worker.model_runner import ModelRunner
@@ -23,14 +23,18 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per attention layer: (K, V)
 class Worker:
     """Owns a device and everything on it: the model, the KV blocks and the host swap pool."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, device: Optional[torch.device] = None):
+    def __init__(self, config: EngineConfig, rank: int = 0, device: Optional[torch.device] = None,
+                 comm: Optional[Communicator] = None):
+        """`comm`: the tensor-parallel group's communicator when the model is split (rank `rank` of its size)."""
         self.config = config
         self.rank = rank
+        self.comm = comm
         self.device = device or rank_device(config.device, rank)
         if self.device.type == "cpu":
             tune_cpu_allocator()
         torch.manual_seed(config.model.seed)
-        self.model_runner = ModelRunner(config, self.device)
+        with building_shard(rank, comm.size if comm else 1, comm):
+            self.model_runner = ModelRunner(config, self.device)
         self.block_size = config.cache.block_size
         self.kv_dtype = config.model.torch_dtype
         self.kv_cache_dtype = config.cache.kv_cache_dtype  # auto (the model dtype) | int8
@@ -62,9 +66,8 @@ class Worker:
                 # A default budget never allocates more than the scheduler could ever fill.
                 useful = self.config.scheduler.max_num_seqs * -(-self.config.model.max_model_len // self.block_size)
                 num_blocks = min(num_blocks, useful)
-        comm = communicator()
-        if comm is not None:  # every rank must hold the same blocks: the smallest budget decides
-            num_blocks = comm.all_min(num_blocks)
+        if self.comm is not None:  # every rank must hold the same blocks: the smallest budget decides
+            num_blocks = self.comm.all_min(num_blocks)
         if num_blocks < 1:
             raise_oom(weights, activation, block_bytes)
         self.kv_caches = []

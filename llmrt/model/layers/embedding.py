@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmrt.distributed.parallel_state import all_reduce, tp_shard
+from llmrt.distributed.parallel_state import communicator, tp_shard
 from llmrt.model.layers.linear import OutputShard
 from llmrt.model.layers.weights import (CheckpointTensor, as_checkpoint_tensor, copy_checked, reads_slices,
                                         set_weight_loader)
@@ -36,6 +36,7 @@ class Embedding(nn.Module):
         self.weight = set_weight_loader(nn.Parameter(torch.empty(self.shard.size, dim), requires_grad=False),
                                         self.weight_loader)
         self.compute_dtype = compute_dtype
+        self.comm = communicator() if self.sharded else None
 
     @reads_slices
     def weight_loader(self, param: nn.Parameter, loaded: "torch.Tensor | CheckpointTensor",
@@ -55,4 +56,4 @@ class Embedding(nn.Module):
         inside = (ids >= s.start) & (ids < s.start + s.length)
         x = F.embedding(torch.where(inside, ids - s.start, 0), self.weight).to(self.compute_dtype)
         x.masked_fill_(~inside.unsqueeze(-1), 0)
-        return all_reduce(x)
+        return self.comm.all_reduce(x) if self.comm is not None else x

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmrt.distributed.parallel_state import all_reduce, tp_shard
+from llmrt.distributed.parallel_state import communicator, tp_shard
 from llmrt.model.layers.weights import (CheckpointTensor, as_checkpoint_tensor, copy_checked, reads_slices,
                                         set_weight_loader)
 
@@ -124,6 +124,7 @@ class Linear(nn.Module):
             cols = split_evenly(in_features, "an input dimension")
             self.input_start, in_features = cols.start, cols.length
         self.bias_on_this_rank = self.parallel != "row" or tp.rank == 0
+        self.comm = communicator() if self.parallel == "row" else None
         self.in_features = in_features
         self.output_sizes = [s.size for s in shards]
         self.out_features = sum(self.output_sizes)
@@ -177,4 +178,4 @@ class Linear(nn.Module):
             y = tiled_apply(self, x, self.row_tile)
         else:
             y = self.method.apply(self, x)
-        return all_reduce(y) if self.parallel == "row" else y
+        return self.comm.all_reduce(y) if self.comm is not None else y
