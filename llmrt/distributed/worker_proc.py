@@ -44,6 +44,7 @@ class RankServer:
         if kind == "step":
             self.comm.use_step_timeout()
             self.worker.execute_shard(arg)
+            self.comm.take_stats()  # only rank 0's figures are reported; this keeps CUDA events from piling up
             return None
         if kind == "init_cache":
             return self.worker.initialize_cache().num_blocks

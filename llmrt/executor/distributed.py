@@ -88,6 +88,7 @@ class DistributedExecutor(Executor):
         self._send("init_cache", None)
         plan = self.worker.initialize_cache()
         self._collect()
+        self.comm.take_stats()  # the profiling pass's collectives are not a step's
         return plan
 
     def initialize_host_cache(self, swap_bytes: int) -> int:
