@@ -176,3 +176,28 @@ def test_tp2_over_a_local_ray_cluster_matches_tp1(models, tmp_path_factory):
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_plan_counts_rank_bytes_and_estimates_communication(models, capsys):
+    """`llmrt plan --tp 2`: rank 0's real shard on the meta device, and the documented communication formula."""
+    from llmrt.cli import main
+    from llmrt.distributed.comm_model import Device, Link, estimate_step
+    from tests.conftest import ARCH_CONFIGS
+
+    hf = {k: v for k, v in ARCH_CONFIGS["llama3"].items() if k != "model_type"}
+    e = estimate_step(hf, tp=2, pp=1, link=Link(1e9, 1e-5), device=Device(1e12, 1e15), elem_bytes=4, params=1,
+                      tokens=1, sampled_rows=1)
+    # 2 layers x 2 + 1 all-reduces of one 64-float row, each 2 latencies + 256 B / link; a 256-logit gather
+    assert e.tp_seconds == pytest.approx(5 * (2e-5 + 256 / 1e9) + (1e-5 + 1024 / 1e9))
+    assert main(["plan", str(models["llama3"]), "--memory", "1GiB", "--tp", "2", "--json"]) == 0
+    import json
+
+    two = json.loads(capsys.readouterr().out)
+    assert main(["plan", str(models["llama3"]), "--memory", "1GiB", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    norms = (2 * 2 + 1) * 64 * 4  # replicated RMSNorm weights (float32 per the config's dtype)
+    assert two["weights_bytes"] == (one["weights_bytes"] - norms) // 2 + norms
+    assert two["kv_bytes_per_token"] == one["kv_bytes_per_token"] // 2
+    assert two["communication"][0]["tp_seconds"] > 0
+    assert main(["plan", str(models["llama3"]), "--memory", "1GiB", "--tp", "3"]) == 2
+    assert "valid sizes: 1, 2, 4" in capsys.readouterr().err

@@ -87,9 +87,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for name, llm in engines.items():
                 res = _measure(llm, batch, single, args.output_len)
                 log(f"round {r + 1} {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in res.items()))
-                prev = best.get(name)
-                best[name] = {k: (max(v, prev[k]) if k == "batch_tok_s" else min(v, prev[k])) if prev and k in prev
-                              else v for k, v in res.items()}
+                # Best round per figure family: the batch figures of the fastest batch round, the single-stream
+                # figures of the lowest-TPOT round (each family stays from one round).
+                prev = best.get(name, {})
+                take_batch = "batch_tok_s" not in prev or res["batch_tok_s"] > prev["batch_tok_s"]
+                take_single = "tpot_s" not in prev or res["tpot_s"] < prev["tpot_s"]
+                best[name] = {k: v for k, v in {**prev, **res}.items()
+                              if not ((k.startswith("batch") and not take_batch) or
+                                      ((k.startswith("single") or k == "tpot_s") and not take_single))}
+                best[name].update({k: v for k, v in prev.items() if k not in best[name]})
         per_rank = engines[f"tp{args.tp}"].engine.executor.rank_parameter_bytes()
         weights_tp1 = engines["tp1"].engine.executor.worker.model_runner.weights_bytes()
     finally:
