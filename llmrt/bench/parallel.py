@@ -81,10 +81,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     opts = dict(dtype="float32", max_model_len=args.input_len + args.output_len + 8,
                 max_num_seqs=max(args.num_prompts, 1), kv_cache_memory=256 << 20)
     engines = {"tp1": LLM(model, **opts), f"tp{args.tp}": LLM(model, tensor_parallel_size=args.tp, **opts)}
+    # Rank 0 of the split engine shares this process: set each engine's intra-op threads before it runs (all
+    # cores for TP=1, cores / ranks for each TP rank, as in their own processes).
+    import torch
+
+    from llmrt.executor.distributed import usable_cores
+
+    threads = {"tp1": usable_cores(), f"tp{args.tp}": max(1, usable_cores() // args.tp)}
     best: dict[str, dict[str, Any]] = {}
     try:
         for r in range(max(args.rounds, 1)):
             for name, llm in engines.items():
+                torch.set_num_threads(threads[name])
                 res = _measure(llm, batch, single, args.output_len)
                 log(f"round {r + 1} {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in res.items()))
                 # Best round per figure family: the batch figures of the fastest batch round, the single-stream
@@ -105,7 +113,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     g = allreduce["gloo"]
     elem_row = cfg["hidden_size"] * 4
     latency = g[1] / (2 * (args.tp - 1))
-    bandwidth = (2 * (args.tp - 1) / args.tp) * 256 * elem_row / max(g[256] - g[1], 1e-9)
+    # Bandwidth from the extra time of 256 rows over 1; when noise hides it, latency alone (100 GB/s stand-in).
+    extra = g[256] - g[1]
+    bandwidth = (2 * (args.tp - 1) / args.tp) * 255 * elem_row / extra if extra > 0 else 100e9
     link = Link(bandwidth, latency)
     # Only the communication part of the estimate is compared (compute here is measured, not modelled).
     est = {name: estimate_step(cfg, tp=args.tp, pp=1, link=link, device=Device(1e12, 1e15), elem_bytes=4,
@@ -134,7 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(format_table(probe_rows, ["rows", "gloo ms", "shared memory ms", "gloo / shm"]))
     result = {"date": now_iso(), "machine": machine_info("cpu"), "dtype": "float32", "model": args.random_model,
               "args": vars(args) | {"func": None}, "loadavg_start": load_start, "loadavg_end": load_average(),
-              "best": best, "per_rank_parameter_bytes": per_rank, "weights_bytes_tp1": weights_tp1,
+              "threads": threads, "best": best, "per_rank_parameter_bytes": per_rank, "weights_bytes_tp1": weights_tp1,
               "allreduce_probe": allreduce, "plan_link": {"bandwidth": bandwidth, "latency": latency},
               "plan_estimate_seconds": est, "table": rows, "probe_table": probe_rows}
     if not args.no_save:
