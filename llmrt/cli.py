@@ -1,5 +1,5 @@
 """The `llmrt` command: generate, serve, route, bench (throughput, serve, structured, spec, mixed, prefix, context,
-router, quality, peers), plan, regress (record, compare), tokens."""
+router, quality, peers, parallel), plan, regress (record, compare), tokens."""
 from __future__ import annotations
 
 import argparse
@@ -113,6 +113,13 @@ def _add_bench(bench: argparse.ArgumentParser) -> None:
                                               "configurations vs the unquantized model", description=quality.__doc__)
     quality.add_arguments(qu)
     qu.set_defaults(func=quality.run)
+    from llmrt.bench import parallel as bench_parallel
+
+    bp = bench_sub.add_parser("parallel", help="tensor parallelism here: TP=1 vs TP=2 throughput, TPOT, collective "
+                                               "time against the plan estimate, gloo vs shared-memory all-reduce",
+                              description=bench_parallel.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_parallel.add_arguments(bp)
+    bp.set_defaults(func=lambda a: (bench_parallel.run(a), 0)[1])
     from llmrt.bench import router as bench_router
 
     br = bench_sub.add_parser("router", help="routing policies on a shared-system-prompt workload over local "

@@ -232,13 +232,22 @@ class ParallelConfig:
     """How the model is split over workers; this process's rank within them."""
 
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"  # a name in llmrt.executor.EXECUTORS
+    # A name in llmrt.executor.EXECUTORS; auto: "uni" for one rank, "mp" (a process per rank) for more.
+    distributed_executor_backend: str = "auto"
+    distributed_timeout: float = 20.0  # seconds a collective may wait for the other ranks before failing
     rank: int = 0  # set per worker by the executor
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise UnsupportedError("tensor parallelism is not built yet; tensor_parallel_size must be 1",
-                                   param="tensor_parallel_size")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise InvalidRequestError(f"tensor_parallel_size must be a positive integer, got "
+                                      f"{self.tensor_parallel_size!r}", param="tensor_parallel_size")
+        if self.distributed_timeout <= 0:
+            raise InvalidRequestError("distributed_timeout must be positive", param="distributed_timeout")
+        if self.distributed_executor_backend == "auto":
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        elif self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise UnsupportedError(f"the uni executor runs one rank; {self.world_size} ranks need mp or ray",
+                                   param="distributed_executor_backend")
 
     @property
     def world_size(self) -> int:
@@ -280,8 +289,32 @@ class EngineConfig:
 
         # An unknown name or an unsupported checkpoint format (bits, packing) fails here, before any weight is read.
         get_quantization_config(self.model.quantization, self.model.quant_options())
+        self._check_parallel()
         self.formats = check_formats(torch.device(self.device), self.model.torch_dtype, self.model.quantization,
                                      self.cache.kv_cache_dtype)
+
+    def _check_parallel(self) -> None:
+        """Refuse a split the model or the other options cannot take, before anything is loaded."""
+        tp = self.parallel.tensor_parallel_size
+        if tp == 1:
+            return
+        from llmrt.distributed.sizes import check_tensor_parallel
+
+        check_tensor_parallel(self.model.hf_config, self.model.architecture, tp)
+        from llmrt.model.gguf_file import is_gguf
+
+        # Their loaders place whole pre-quantized rows; they do not cut them into per-rank slices yet.
+        if self.model.hf_config.get("quantization_config") or (
+                is_gguf(str(self.model.model)) and self.model.quantization == "int4"):
+            raise UnsupportedError("pre-quantized 4-bit checkpoints (GPTQ, AWQ, GGUF 4-bit kept as int4) are not split "
+                                   "over tensor-parallel ranks yet; use --tensor-parallel-size 1, or a GGUF with "
+                                   "--quantization none|int8", param="tensor_parallel_size")
+        if self.speculative.method == "draft":
+            raise UnsupportedError("a draft model is not split over tensor-parallel ranks yet; use "
+                                   "--speculative-method ngram or --tensor-parallel-size 1", param="speculative_method")
+        if self.deterministic:
+            raise UnsupportedError("--deterministic is not checked with tensor parallelism yet; use "
+                                   "--tensor-parallel-size 1", param="tensor_parallel_size")
 
     def formats_report(self) -> dict[str, Any]:
         """The weight and KV formats chosen and how this device computes them (for /version and logs)."""

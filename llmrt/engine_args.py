@@ -6,7 +6,8 @@ import dataclasses
 from typing import Any
 
 from llmrt.config import (DEFAULT_CPU_KV_CACHE_BYTES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANT_GROUP_SIZES, SCHEDULING_POLICIES, SPECULATIVE_METHODS,
-                          CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig)
+                          CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                          SpeculativeConfig)
 
 _GiB = 1 << 30
 
@@ -95,6 +96,21 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "anyone is preempted (default: %(default)s)")
 
 
+    pc = ParallelConfig
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=default_of(pc, "tensor_parallel_size"),
+                   help="split every layer over this many ranks (heads, MLP and vocabulary; one process per rank); "
+                        "refused when the model's heads do not divide, or with more ranks than devices (CUDA) or CPU "
+                        "cores (gloo) (default: %(default)s)")
+    g.add_argument("--distributed-executor-backend", default=default_of(pc, "distributed_executor_backend"),
+                   choices=["auto", "uni", "mp", "ray"],
+                   help="how ranks run: uni (one rank, in the engine core), mp (a spawned process per rank), ray "
+                        "(ranks 1..N-1 as actors on the Ray cluster the engine joins: RAY_ADDRESS or the local one; "
+                        "pip install 'llmrt[ray]'); auto picks uni for one rank, mp for more (default: %(default)s)")
+    g.add_argument("--distributed-timeout", type=float, default=default_of(pc, "distributed_timeout"),
+                   help="seconds a collective waits for the other ranks before the engine is declared dead "
+                        "(a hung rank becomes engine_dead, never a hang) (default: %(default)s)")
+
     sp = SpeculativeConfig
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative-method", default=None, choices=list(SPECULATIVE_METHODS),
@@ -118,7 +134,8 @@ _ENGINE_KEYS = ("dtype", "device", "attention_backend", "deterministic", "max_mo
                 "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
                 "scheduling_policy", "short_first_aging_steps", "enable_prefix_caching", "preemption_mode",
                 "swap_space", "kv_watermark", "quantization", "quant_group_size", "kv_cache_dtype", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
-                "speculative_model", "speculative_max_batch_tokens")
+                "speculative_model", "speculative_max_batch_tokens", "tensor_parallel_size",
+                "distributed_executor_backend", "distributed_timeout")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -31,6 +31,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV-cache storage, as `serve`: auto (--kv-dtype) or int8 with per-token scales "
                         "(default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the model is split over (default: 1)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (contiguous layers) for the communication estimate; memory per rank "
+                        "divides weights and KV layers by it (default: 1)")
+    p.add_argument("--interconnect", type=parse_rate, default=None,
+                   help="link bandwidth between ranks, e.g. 50GB/s (NVLink ~450GB/s, PCIe 4 x16 ~25GB/s, "
+                        "100 Gb Ethernet ~12GB/s); prints the communication estimate (default: 50GB/s when "
+                        "--tp or --pp > 1)")
+    p.add_argument("--interconnect-latency", type=float, default=10e-6,
+                   help="seconds of fixed cost per message on that link (default: %(default)s)")
+    p.add_argument("--device-bandwidth", type=parse_rate, default=3.35e12,
+                   help="one rank's memory bandwidth, bounding decode compute (default: 3.35TB/s, H100-class)")
+    p.add_argument("--device-flops", type=float, default=989e12,
+                   help="one rank's dense FLOP/s, bounding prefill compute (default: 989e12, H100-class bf16)")
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="micro-batches per step for the pipeline estimate (default: %(default)s)")
     p.add_argument("--context", default="1024,4096,32768",
                    help="comma-separated context lengths to report capacity at (default: 1024,4096,32768)")
     p.add_argument("--gpu-memory-utilization", type=float, default=default_of(CacheConfig, "gpu_memory_utilization"),
@@ -43,6 +58,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most sequences in one batch (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def parse_rate(text: str) -> float:
+    """'50GB/s', '2TB/s', '25e9' -> bytes per second."""
+    t = text.strip().lower().removesuffix("/s").removesuffix("ps")
+    if t.endswith("tb"):
+        return float(t[:-2]) * 1e12
+    return float(parse_bytes(t))
 
 
 def load_hf_config(path: str) -> dict[str, Any]:
@@ -59,6 +82,12 @@ def build_plan(args: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     hf = load_hf_config(args.model)
     if args.tp < 1:
         raise InvalidRequestError("--tp must be >= 1", param="tp")
+    if args.pp < 1:
+        raise InvalidRequestError("--pp must be >= 1", param="pp")
+    if args.tp > 1:
+        from llmrt.distributed.sizes import check_tensor_parallel
+
+        check_tensor_parallel(hf, (hf.get("architectures") or [""])[0], args.tp)
     try:
         contexts = tuple(int(c) for c in str(args.context).split(",") if c.strip())
     except ValueError:
@@ -73,14 +102,40 @@ def build_plan(args: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
                        max_num_seqs=args.max_num_seqs, max_model_len=limit,
                        utilization=args.gpu_memory_utilization, contexts=contexts,
                        quantization=args.quantization, quant_group_size=args.quant_group_size,
-                       kv_cache_dtype=args.kv_cache_dtype)
+                       kv_cache_dtype=args.kv_cache_dtype, pp=args.pp)
     settings = dict(model=args.model, architecture=(hf.get("architectures") or [""])[0], memory_bytes=args.memory,
                     utilization=args.gpu_memory_utilization, dtype=str(dtype).replace("torch.", ""),
-                    kv_dtype=str(kv_dtype).replace("torch.", ""), tp=args.tp, max_model_len=limit,
+                    kv_dtype=str(kv_dtype).replace("torch.", ""), tp=args.tp, pp=args.pp, max_model_len=limit,
                     quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                     formats_here=[f.as_dict() for f in formats_on_this_machine(dtype, args.quantization,
                                                                                args.kv_cache_dtype)])
     return plan, settings
+
+
+def communication(args: argparse.Namespace, hf: dict[str, Any], dtype: Any) -> list[dict[str, Any]]:
+    """The communication estimate for a decode step of one and of max-num-seqs sequences and a full prefill
+    step (empty without a split or --interconnect)."""
+    import torch
+
+    from llmrt.distributed.comm_model import Device, Link, estimate_step
+    from llmrt.model.loader import build_model
+
+    if args.tp == 1 and args.pp == 1 and args.interconnect is None:
+        return []
+    arch = (hf.get("architectures") or [""])[0]
+    params = sum(p.numel() for p in build_model(hf, arch, dtype, dtype, "meta").parameters())
+    link = Link(args.interconnect or 50e9, args.interconnect_latency)
+    device = Device(args.device_bandwidth, args.device_flops)
+    elem = torch.empty((), dtype=dtype).element_size()
+    steps = [("decode, 1 sequence", 1, 1), (f"decode, {args.max_num_seqs} sequences", args.max_num_seqs,
+                                              args.max_num_seqs),
+             (f"prefill, {args.max_num_batched_tokens} tokens", args.max_num_batched_tokens, 1)]
+    out = []
+    for name, tokens, rows in steps:
+        e = estimate_step(hf, tp=args.tp, pp=args.pp, link=link, device=device, elem_bytes=elem, params=params,
+                          tokens=tokens, sampled_rows=rows, micro_batches=min(args.micro_batches, rows))
+        out.append({"step": name, **e.as_dict()})
+    return out
 
 
 def formats_on_this_machine(dtype: Any, quantization: Any, kv_cache_dtype: str) -> list[Any]:
@@ -116,9 +171,10 @@ def verdict(plan: MemoryPlan, max_model_len: int) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Print the plan."""
     plan, settings = build_plan(args)
+    comm = communication(args, load_hf_config(args.model), parse_dtype(args.dtype, load_hf_config(args.model)))
     if args.json:
-        print(json.dumps({**settings, **plan.as_dict(), "verdict": verdict(plan, settings["max_model_len"])},
-                         indent=2))
+        print(json.dumps({**settings, **plan.as_dict(), "verdict": verdict(plan, settings["max_model_len"]),
+                          "communication": comm}, indent=2))
         return 0
     gib = lambda b: f"{b / _GiB:.3f}"  # noqa: E731
     usable = int(args.memory * args.gpu_memory_utilization)
@@ -142,4 +198,14 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(verdict(plan, settings["max_model_len"])))
     for f in settings["formats_here"]:
         print(f"on this machine's {f['device']}: {f['format']} is {f['status']}: {f['detail']}")
+    if comm:
+        ms = lambda s: f"{s * 1e3:.3f}"  # noqa: E731
+        print(f"\ncommunication estimate: tp={args.tp} pp={args.pp}, link {(args.interconnect or 50e9) / 1e9:g} GB/s "
+              f"+ {args.interconnect_latency * 1e6:g} us per message (docs/parallel.md)")
+        rows = [{"step": c["step"], "compute ms": ms(c["compute_seconds"]), "TP comm ms": ms(c["tp_seconds"]),
+                 "PP comm ms": ms(c["pp_seconds"]), "comm share": f"{c['comm_share']:.0%}",
+                 "PP bubble": f"{c['bubble_share']:.0%}", "bytes/token": f"{c['comm_bytes_per_token']:.0f}"}
+                for c in comm]
+        print(format_table(rows, ["step", "compute ms", "TP comm ms", "PP comm ms", "comm share", "PP bubble",
+                                  "bytes/token"]))
     return 0

@@ -167,6 +167,11 @@ def test_timeline_samples_engine_and_latency_percentiles():
     assert tl.sample().spec_acceptance == pytest.approx(0.75)
     stats.update(spec_proposed_by_position=[12, 6], spec_accepted_by_position=[8, 2])
     assert tl.sample().spec_acceptance == pytest.approx(1 / 6)  # the share since the last sample, not cumulative
+    assert tl.sample().collective_share is None  # one rank: no collectives
+    stats.update(collective_seconds=0.2, collective_step_seconds=1.0)
+    assert tl.sample().collective_share == pytest.approx(0.2)
+    stats.update(collective_seconds=0.5, collective_step_seconds=2.0)
+    assert tl.sample().collective_share == pytest.approx(0.3)  # since the last sample
 
 
 def test_request_timing_and_buckets():

@@ -154,7 +154,7 @@ def test_dashboard_draws_in_headless_chromium(server):
             # Every chart has samples; the request and latency charts have seen non-zero values.
             return driver.execute_script("""
                 const c = window.llmrtCharts || {};
-                const ids = ["batch", "requests", "kv", "throughput", "ttft", "tpot", "spec"];
+                const ids = ["batch", "requests", "kv", "throughput", "ttft", "tpot", "spec", "collective"];
                 if (!ids.every(id => c[id] && c[id].data[0].length > 0)) return false;
                 const any = id => c[id].data.slice(1).some(s => s.some(v => v !== null && v > 0));
                 return ["batch", "requests", "kv", "ttft", "tpot"].every(any);
@@ -169,7 +169,7 @@ def test_dashboard_draws_in_headless_chromium(server):
                 let n = 0; for (let i = 3; i < px.length; i += 4) if (px[i] > 0) n++;
                 return n;
             });""")
-        assert len(painted) == 7 and all(n > 100 for n in painted), painted
+        assert len(painted) == 8 and all(n > 100 for n in painted), painted
         assert "samples every" in driver.find_element("id", "status").text
         severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert not severe, severe

@@ -235,10 +235,10 @@ def test_the_core_is_handed_its_executor(checkpoints):
 
 def test_unknown_executor_and_parallel_sizes_are_refused(checkpoints):
     config = EngineConfig.create(str(checkpoints["llama3"]), distributed_executor_backend="mpi")
-    with pytest.raises(UnsupportedError, match="executor backend 'mpi' is not supported; supported: uni"):
+    with pytest.raises(UnsupportedError, match="executor backend 'mpi' is not supported; supported: uni, mp, ray"):
         create_executor(config)
-    with pytest.raises(UnsupportedError, match="tensor_parallel_size must be 1"):
-        EngineConfig.create(str(checkpoints["llama3"]), tensor_parallel_size=2)
+    with pytest.raises(UnsupportedError, match="uni executor runs one rank"):
+        EngineConfig.create(str(checkpoints["llama3"]), tensor_parallel_size=2, distributed_executor_backend="uni")
 
 
 # -- typed messages and the admission bound --------------------------------------------------------------------

@@ -84,7 +84,10 @@ class AsyncLLM:
         """Start the engine-core process and wait until its model is loaded and its KV cache sized."""
         ctx = mp.get_context("spawn")
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
-        self._proc = ctx.Process(target=run_engine_core, name="llmrt-engine-core", daemon=True,
+        # A daemonic process may not start children: with several ranks the core spawns them, so it is not
+        # daemonic (it still exits when the server goes: it watches its parent, and its ranks watch it).
+        self._proc = ctx.Process(target=run_engine_core, name="llmrt-engine-core",
+                                 daemon=self.config.parallel.world_size == 1,
                                  args=(self.config, self._inbox, self._outbox, logging.getLogger().getEffectiveLevel(),
                                        self.tokenizer_path))
         self._proc.start()

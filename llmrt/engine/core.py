@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from llmrt.config import EngineConfig
+from llmrt.distributed.parallel_state import CollectiveTotals
 from llmrt.engine.kv_cache import BlockManager, HostBlockPool
 from llmrt.engine.messages import EngineCoreOutput, EngineLimits, EngineStats
 from llmrt.engine.request import Request
@@ -75,6 +76,7 @@ class EngineCore:
         self.spec_accepted_by_position = [0] * k
         self.spec_verify_steps = 0
         self.spec_propose_seconds = 0.0
+        self.collectives = CollectiveTotals() if config.parallel.world_size > 1 else None
 
     @property
     def max_model_len(self) -> int:
@@ -137,13 +139,18 @@ class EngineCore:
             if self.inject_oom_steps > 0:
                 self.inject_oom_steps -= 1
                 raise torch.OutOfMemoryError("injected out-of-memory fault")
+            started = time.perf_counter()
             result = self.executor.execute(sched)
+            step_seconds = time.perf_counter() - started
         except (torch.OutOfMemoryError, MemoryError) as e:
             # Absorb: shrink the batch by preempting (recompute later) and retry on the next step; only a
             # sequence that fails alone gets an out_of_memory error.
             logger.warning("out of memory in a step of %d sequences: %s", len(sched.scheduled), e)
             return expired + self.scheduler.shrink_after_oom(sched)
         self.num_steps += 1
+        if self.collectives is not None:
+            self.collectives.observe(result.collective_seconds, result.collective_bytes, step_seconds,
+                                     sched.num_batched_tokens)
         self.last_step_tokens = sched.num_batched_tokens
         self.last_step_seqs = len(sched.scheduled)
         if result.spec is not None:
@@ -167,7 +174,16 @@ class EngineCore:
                            spec_method=self.config.speculative.method,
                            spec_proposed_by_position=list(self.spec_proposed_by_position),
                            spec_accepted_by_position=list(self.spec_accepted_by_position),
-                           spec_verify_steps=self.spec_verify_steps, spec_propose_seconds=self.spec_propose_seconds)
+                           spec_verify_steps=self.spec_verify_steps, spec_propose_seconds=self.spec_propose_seconds,
+                           **self._collective_stats())
+
+    def _collective_stats(self) -> dict[str, Any]:
+        c = self.collectives
+        if c is None:
+            return {}
+        return dict(collective_bucket_counts=list(c.bucket_counts), collective_seconds=c.seconds,
+                    collective_steps=c.steps, collective_step_seconds=c.step_seconds, collective_bytes=c.bytes,
+                    collective_tokens=c.tokens)
 
 
 def validate_request(prompt: list[int], params: SamplingParams, limits: EngineLimits) -> int:

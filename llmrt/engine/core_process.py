@@ -52,6 +52,7 @@ def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: in
         acknowledged: list[str] = []
         for msg in msgs:
             if isinstance(msg, Shutdown):
+                core.executor.shutdown()
                 return
             if isinstance(msg, AddRequest):
                 try:

@@ -39,6 +39,10 @@ class LLM:
         self.startup = timer
         logger.info(timer.describe())
 
+    def shutdown(self) -> None:
+        """Stop the executor's other ranks (a no-op with one rank)."""
+        self.engine.executor.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer prompts are encoded with."""
         return self.tokenizer

@@ -95,7 +95,7 @@ def estimate_activation_peak(hf_config: dict[str, Any], num_tokens: int, num_log
                              compute_dtype: torch.dtype, kv_heads: int, head_dim: int, tp: int = 1) -> int:
     """Estimated peak bytes of one forward pass of `num_tokens` tokens plus logits for `num_logit_rows` rows.
 
-    Per token, the residual stream and its normed copy (2 x hidden) stay alive while a layer runs; the MLP adds
+    `kv_heads` and the result are per tensor-parallel rank. Per token, the residual stream and its normed copy (2 x hidden) stay alive while a layer runs; the MLP adds
     the fused gate/up output, the activation and the product (gated: 5 x intermediate; plain GELU:
     3 x intermediate), attention the fused qkv output, rotated/normed q and k, the attention output (4 x q
     + 2 x kv). The peak is the larger phase. The logits step keeps the final hidden states plus float32 logits
@@ -122,13 +122,17 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: Optional[int] = None,
                 utilization: float = 1.0, contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
                 quantization: Optional[str] = None, quant_group_size: int = 32,
-                kv_cache_dtype: str = "auto") -> MemoryPlan:
-    """The per-device memory split for a model config on a device of `memory_bytes`, without any weights."""
+                kv_cache_dtype: str = "auto", pp: int = 1) -> MemoryPlan:
+    """The per-device memory split for a model config on a device of `memory_bytes`, without any weights.
+    With `pp` pipeline stages a rank holds about 1/pp of the layers (an estimate: the embedding and LM head
+    sit on the end stages)."""
     from dataclasses import replace
 
     from llmrt.attention.kv_quant import kv_bytes_per_token
     from llmrt.model.loader import build_model
     from llmrt.model.quantization import get_quantization_config
+
+    from llmrt.distributed.parallel_state import building_shard
 
     arch = (hf_config.get("architectures") or [""])[0]
     from llmrt.model.quantization.gptq_awq import checkpoint_quantization
@@ -136,15 +140,16 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
     quantization = quantization or checkpoint_quantization(hf_config)  # a GPTQ/AWQ config.json plans as such
     quant = get_quantization_config(quantization, {"group_size": quant_group_size,
                                                    "checkpoint": hf_config.get("quantization_config")})
-    model = build_model(hf_config, arch, dtype, dtype, "meta", quant)
+    with building_shard(0, tp):  # rank 0's shard: split layers at 1/tp, norms (and few KV heads) replicated
+        model = build_model(hf_config, arch, dtype, dtype, "meta", quant)
     spec = model.kv_cache_spec()
-    kv_heads = max(1, spec.num_kv_heads // tp)  # fewer KV heads than ranks: each rank keeps a replica
-    per_token = kv_bytes_per_token(replace(spec, num_kv_heads=kv_heads), kv_dtype or dtype, kv_cache_dtype)
-    weights = _planned_weight_bytes(model, quant) // tp
+    per_token = kv_bytes_per_token(replace(spec, num_layers=-(-spec.num_layers // pp)), kv_dtype or dtype,
+                                   kv_cache_dtype)
+    weights = _planned_weight_bytes(model, quant) // pp
     limit = max_model_len or context_limit(hf_config)
     tokens = min(max_num_batched_tokens, limit)
-    activation = estimate_activation_peak(hf_config, tokens, min(max_num_seqs, tokens), dtype, spec.num_kv_heads,
-                                          spec.head_dim, tp)
+    activation = estimate_activation_peak(hf_config, tokens, min(max_num_seqs, tokens), dtype,
+                                          spec.num_kv_heads, spec.head_dim, tp)
     budget = kv_budget_bytes(memory_bytes, utilization, weights, activation)
     blocks = num_kv_blocks(budget, per_token, block_size)
     fmt = str(kv_dtype or dtype).replace("torch.", "") if kv_cache_dtype == "auto" else \

@@ -75,6 +75,15 @@ class EngineStats:
     spec_accepted_by_position: list[int] = field(default_factory=list)
     spec_verify_steps: int = 0
     spec_propose_seconds: float = 0.0
+    # Tensor parallelism, cumulative over steps: rank 0's time inside collectives per step as histogram counts
+    # (upper bounds: parallel_state.COLLECTIVE_BUCKETS), its sum, the steps, the executor's time in those steps,
+    # the bytes rank 0 put into collectives and the tokens those steps computed. Empty/zero with one rank.
+    collective_bucket_counts: list[int] = field(default_factory=list)
+    collective_seconds: float = 0.0
+    collective_steps: int = 0
+    collective_step_seconds: float = 0.0
+    collective_bytes: int = 0
+    collective_tokens: int = 0
 
     @classmethod
     def idle(cls, num_blocks: int) -> "EngineStats":

@@ -48,6 +48,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # seq_id -> rows of a span
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> proposals for its next step
     spec: Optional["SpecStepStats"] = None
+    # Tensor parallel: rank 0's time inside collectives this step and the bytes it sent into them.
+    collective_seconds: float = 0.0
+    collective_bytes: int = 0
 
 
 @dataclass
@@ -58,3 +61,28 @@ class SpecStepStats:
     accepted_by_position: list[int]  # [k] of which the target accepted
     num_verified_seqs: int = 0  # sequences whose span carried proposals
     propose_seconds: float = 0.0  # time spent making the next step's proposals
+
+
+@dataclass
+class StepInput:
+    """What every rank needs to run one step's forward pass, in plain lists: rank 0 builds it from the
+    SchedulerOutput and sends it to the other ranks as the step's one message."""
+
+    input_ids: list[int]
+    positions: list[int]
+    block_tables: list[list[int]]
+    query_lens: list[int]
+    seq_lens: list[int]
+    num_decodes: int
+    logits_rows: list[int]  # flat rows whose logits rank 0 needs: sampling, then prompt logprobs, then proposals
+    # Block moves rank 0 made since the previous message, one per step, done first and in order.
+    block_moves: list["BlockMoves"] = field(default_factory=list)
+
+
+@dataclass
+class BlockMoves:
+    """One step's block moves (the same fields as SchedulerOutput's): swap-outs, copies, swap-ins."""
+
+    swap_out: list[tuple[int, int]]
+    block_copies: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]

@@ -4,10 +4,14 @@ from __future__ import annotations
 from llmrt.config import EngineConfig
 from llmrt.errors import UnsupportedError
 from llmrt.executor.base import Executor
+from llmrt.executor.multiproc import MultiprocExecutor
+from llmrt.executor.ray_executor import RayExecutor
 from llmrt.executor.uniproc import UniProcExecutor
 
 EXECUTORS: dict[str, type[Executor]] = {
     UniProcExecutor.name: UniProcExecutor,
+    MultiprocExecutor.name: MultiprocExecutor,
+    RayExecutor.name: RayExecutor,  # imports ray only when chosen
 }
 
 
@@ -20,4 +24,4 @@ def create_executor(config: EngineConfig) -> Executor:
     return EXECUTORS[name](config)
 
 
-__all__ = ["EXECUTORS", "Executor", "UniProcExecutor", "create_executor"]
+__all__ = ["EXECUTORS", "Executor", "MultiprocExecutor", "RayExecutor", "UniProcExecutor", "create_executor"]

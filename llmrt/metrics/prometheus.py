@@ -153,7 +153,30 @@ class _EngineCollector(Collector):
         yield counter("llmrt_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                       st.get("prefix_cache_hit_tokens"))
         yield from self._speculative(st)
+        yield from self._collectives(st, gauge, counter)
         yield from self._resources()
+
+    def _collectives(self, st: dict[str, Any], gauge: Callable[..., Metric],
+                     counter: Callable[..., Metric]) -> Iterator[Metric]:
+        """Tensor parallelism: rank 0's time inside collectives per step, its share of the step, bytes per token."""
+        counts = st.get("collective_bucket_counts") or []
+        if not counts:
+            return
+        from llmrt.distributed.parallel_state import COLLECTIVE_BUCKETS
+
+        steps = float(st.get("collective_steps") or 0)
+        h = HistogramMetricFamily("llmrt_collective_seconds", "Time rank 0 spent inside tensor-parallel collectives "
+                                  "(all-reduce, logits gather) per engine step", labels=["model"])
+        h.add_metric([self.model], [(str(b), float(n)) for b, n in zip(COLLECTIVE_BUCKETS, counts)] +
+                     [("+Inf", steps)], float(st.get("collective_seconds") or 0.0))
+        yield h
+        step_s = float(st.get("collective_step_seconds") or 0.0)
+        tokens = float(st.get("collective_tokens") or 0)
+        yield gauge("llmrt_collective_step_share", "Share of the executor's step time spent inside collectives, "
+                    "over all steps", (float(st.get("collective_seconds") or 0.0) / step_s) if step_s else 0.0)
+        yield counter("llmrt_collective_bytes", "Bytes rank 0 put into collectives", st.get("collective_bytes"))
+        yield gauge("llmrt_collective_bytes_per_token", "Collective bytes per computed token, over all steps",
+                    (float(st.get("collective_bytes") or 0) / tokens) if tokens else 0.0)
 
     def _speculative(self, st: dict[str, Any]) -> Iterator[Metric]:
         """Proposals and acceptances by method and draft position; only while speculative decoding is on."""

@@ -34,6 +34,7 @@ class Sample:
     tpot_p90: Optional[float] = None
     tpot_p99: Optional[float] = None
     spec_acceptance: Optional[float] = None  # accepted / proposed speculative tokens since the last sample
+    collective_share: Optional[float] = None  # tensor parallel: collective time / step time since the last sample
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
@@ -58,6 +59,7 @@ class Timeline:
         self._finished: deque[tuple[float, Optional[float], Optional[float], int]] = deque()  # t, ttft, tpot, tokens
         self._last_steps: Optional[int] = None
         self._last_spec = (0, 0)  # cumulative (proposed, accepted) speculative tokens at the last sample
+        self._last_collective = (0.0, 0.0)  # cumulative (collective, step) seconds at the last sample
         self._task: Optional[asyncio.Task] = None
         self._started = time.time()
 
@@ -97,10 +99,18 @@ class Timeline:
             setattr(s, f"ttft_p{q}", percentile(ttfts, q))
             setattr(s, f"tpot_p{q}", percentile(tpots, q))
         s.spec_acceptance = self._spec_acceptance(st)
+        s.collective_share = self._collective_share(st)
         if not stepped:
             s.batch_seqs = s.batch_tokens = 0  # the last step's figures are stale when the engine is idle
         self.samples.append(s)
         return s
+
+    def _collective_share(self, st: dict[str, Any]) -> Optional[float]:
+        """Rank 0's share of step time inside collectives since the last sample; None without steps or TP."""
+        now = (float(st.get("collective_seconds") or 0.0), float(st.get("collective_step_seconds") or 0.0))
+        coll, step = now[0] - self._last_collective[0], now[1] - self._last_collective[1]
+        self._last_collective = now
+        return coll / step if step > 0 else None
 
     def _spec_acceptance(self, st: dict[str, Any]) -> Optional[float]:
         """The share of speculative proposals accepted since the last sample; None when none were verified."""

@@ -5,7 +5,7 @@ import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -17,7 +17,7 @@ from llmrt.hardware import compute_dtype, native_half_max_rows
 from llmrt.model.gguf_file import gguf_tensors, is_gguf
 from llmrt.model.layers.linear import Linear
 from llmrt.model.models.base import CausalLM
-from llmrt.model.layers.weights import weight_loader_of
+from llmrt.model.layers.weights import CheckpointTensor, weight_loader_of
 from llmrt.model.models.registry import resolve_architecture
 from llmrt.model.quantization import QuantizationConfig, get_quantization_config
 from llmrt.model.quantization.gguf_int4 import GgufInt4Config
@@ -51,18 +51,22 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def checkpoint_tensors(path: Path, hf_config: dict,
-                       int4_rows: bool = False) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """(HF tensor name, a function reading it) for a safetensors directory or a GGUF file (`int4_rows`: its
-    4-bit decoder weights as Int4Rows instead of dequantized)."""
+def checkpoint_tensors(path: Path, hf_config: dict, int4_rows: bool = False) -> Iterator[tuple[str, CheckpointTensor]]:
+    """(HF tensor name, the tensor, read lazily) for a safetensors directory or a GGUF file (`int4_rows`: its
+    4-bit decoder weights as Int4Rows instead of dequantized). A safetensors tensor is memory-mapped: a
+    tensor-parallel rank that reads a slice of it reads only that slice."""
     if is_gguf(str(path)):
         for name, tensor in gguf_tensors(str(path), hf_config, int4_rows):
-            yield name, (lambda t=tensor: t)
+            if isinstance(tensor, torch.Tensor):
+                yield name, CheckpointTensor.of(tensor)
+            else:  # Int4Rows: read whole by GgufInt4Method's loader
+                yield name, CheckpointTensor(tuple(tensor.q.shape), lambda index, t=tensor: t)
         return
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for hf_name in f.keys():
-                yield hf_name, (lambda n=hf_name: f.get_tensor(n))
+                part = f.get_slice(hf_name)
+                yield hf_name, CheckpointTensor(tuple(part.get_shape()), lambda index, p=part: p[index])
 
 
 def build_model(hf_config: dict, arch: str, dtype: torch.dtype, compute: torch.dtype,
@@ -129,7 +133,7 @@ def load_weights(model: CausalLM, model_dir: Path, int4_rows: bool = False) -> N
     loaded: set[tuple[str, int | None]] = set()
     unexpected: list[str] = []
     with tqdm(desc="loading weights", unit="tensor", disable=None, leave=False) as bar:
-        for hf_name, get in checkpoint_tensors(model_dir, model.hf_config, int4_rows):
+        for hf_name, tensor in checkpoint_tensors(model_dir, model.hf_config, int4_rows):
             bar.update(1)
             if hf_name.endswith(model.ignored_suffixes):
                 continue
@@ -139,8 +143,11 @@ def load_weights(model: CausalLM, model_dir: Path, int4_rows: bool = False) -> N
                     unexpected.append(hf_name)
                 continue
             param = params[name]
+            loader = weight_loader_of(param)
+            tensor = model.transform_weight(hf_name, tensor)
             try:
-                weight_loader_of(param)(param, model.transform_weight(hf_name, get()), shard)
+                # A loader that reads slices gets the lazy tensor (a tensor-parallel rank reads only its part).
+                loader(param, tensor if getattr(loader, "reads_slices", False) else tensor.load(), shard)
             except ValueError as e:
                 raise ModelLoadError(f"tensor {hf_name!r} {e} (does config.json match the weights?)")
             loaded.add((name, shard))

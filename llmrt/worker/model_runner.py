@@ -10,11 +10,10 @@ import torch
 from llmrt.attention import build_common_metadata, select_attention_backend
 from llmrt.config import EngineConfig
 from llmrt.engine.memory_plan import estimate_activation_peak, parameter_bytes
-from llmrt.engine.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SpecStepStats
+from llmrt.engine.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SpecStepStats, StepInput
 from llmrt.hardware import compute_dtype, measure_peak_memory
 from llmrt.model.layers.sampler import Sampler, SamplingMetadata
 from llmrt.model.loader import load_model
-from llmrt.sampling_params import SamplingParams
 from llmrt.spec_decode import ProposalInput, create_proposer
 from llmrt.spec_decode.verify_step import token_logprobs, verify_spans
 from llmrt.structured.backend import allocate_bitmask
@@ -22,14 +21,11 @@ from llmrt.structured.backend import allocate_bitmask
 
 @dataclass
 class _Batch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: Any  # the attention backend's metadata for this step
-    logits_indices: torch.Tensor
+    inp: StepInput  # what every rank computes (logits_rows: sampling rows, prompt-logprob rows, proposal rows)
+    num_sample_rows: int
     sample_items: list[ScheduledSequence]  # items with num_samples > 0 and no proposals, in scheduler order
     prompt_spans: list[tuple[ScheduledSequence, int, int]]  # (item, flat start, rows) needing prompt logprobs
-    spec_items: list[ScheduledSequence]  # spans that verify proposals
-    spec_indices: torch.Tensor  # their k + 1 rows each, in order
+    spec_items: list[ScheduledSequence]  # spans that verify proposals (their k + 1 rows each, last in logits_rows)
 
 
 class ModelRunner:
@@ -53,6 +49,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.spec_config = config.speculative
         self.proposer = create_proposer(config, self)
+        # Called with each step's StepInput before its forward pass (the multi-process executor sends it on).
+        self.step_listener: Optional[Callable[[StepInput], None]] = None
 
     # -- start-up --------------------------------------------------------------------------------------
     def weights_bytes(self) -> int:
@@ -74,14 +72,14 @@ class ModelRunner:
         num_tokens = min(sc.max_num_batched_tokens, self.config.model.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
         self.bind_kv_cache(allocate_kv(num_blocks))
-        fake = ScheduledSequence(_ProfileSeq(num_tokens, list(range(num_blocks))), num_tokens, 0)  # type: ignore[arg-type]
-        batch = self._prepare(SchedulerOutput([fake], [], num_tokens))
         rows = min(sc.max_num_seqs, num_tokens)
-        idx = torch.arange(num_tokens - rows, num_tokens, device=self.device)
+        inp = StepInput([0] * num_tokens, list(range(num_tokens)), [list(range(num_blocks))], [num_tokens],
+                        [num_tokens], 0, list(range(num_tokens - rows, num_tokens)))
 
         def step() -> None:
-            hidden = self.model(batch.input_ids, batch.positions, batch.meta)
-            self.model.compute_logits(hidden[idx]).softmax(-1)
+            logits = self.forward(inp)
+            if logits is not None:
+                logits.softmax(-1)
 
         peak = measure_peak_memory(step, self.device)
         self.bind_kv_cache(None)
@@ -100,25 +98,27 @@ class ModelRunner:
         """Run one step, sample for every sequence whose known tokens are now all computed, verify the
         proposals of spans that carry them, and make the next step's proposals."""
         batch = self._prepare(out)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
-        if self.proposer is not None:
-            self.proposer.observe_forward(batch.input_ids, batch.positions, batch.meta)
-        prompt_logprobs = {item.seq.seq_id: self._prompt_logprobs(item, hidden[start:start + rows])
-                           for item, start, rows in batch.prompt_spans}
+        if self.step_listener is not None:
+            self.step_listener(batch.inp)
+        logits = self.forward(batch.inp, observe=True)
+        prompt_logprobs: dict[int, list[dict[int, float]]] = {}
+        row = batch.num_sample_rows
+        for item, _, rows in batch.prompt_spans:
+            prompt_logprobs[item.seq.seq_id] = self._prompt_logprobs(item, logits[row:row + rows])
+            row += rows
         tokens: dict[int, list[int]] = {}  # id(item) -> its tokens
         logprobs: dict[int, list[dict[int, float]]] = {}
         want_logprobs = False
         if batch.sample_items:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
             if all(_plain_greedy(item) for item in batch.sample_items):
                 # Argmax is then the whole sampler: no per-step metadata tensors, no float copy of the logits.
-                flat = logits.argmax(dim=-1).tolist()
-                sampled, lps, row = [], None, 0
+                flat = logits[:batch.num_sample_rows].argmax(dim=-1).tolist()
+                sampled, lps, at = [], None, 0
                 for item in batch.sample_items:
-                    sampled.append(flat[row:row + item.num_samples])
-                    row += item.num_samples
+                    sampled.append(flat[at:at + item.num_samples])
+                    at += item.num_samples
             else:
-                result = self.sampler(logits, self._sampling_metadata(batch.sample_items))
+                result = self.sampler(logits[:batch.num_sample_rows], self._sampling_metadata(batch.sample_items))
                 sampled, lps = self._collect(batch.sample_items, result)
             tokens.update((id(i), t) for i, t in zip(batch.sample_items, sampled))
             if lps is not None:
@@ -126,8 +126,7 @@ class ModelRunner:
                 logprobs.update((id(i), lp) for i, lp in zip(batch.sample_items, lps))
         spec_stats = None
         if batch.spec_items:
-            logits = self.model.compute_logits(hidden[batch.spec_indices])
-            sampled, lps, spec_stats = verify_spans(batch.spec_items, logits, self.vocab_size,
+            sampled, lps, spec_stats = verify_spans(batch.spec_items, logits[row:], self.vocab_size,
                                                     self.spec_config.num_speculative_tokens, self.proposer)
             tokens.update((id(i), t) for i, t in zip(batch.spec_items, sampled))
             if lps is not None:
@@ -166,12 +165,30 @@ class ModelRunner:
         proposals = self.proposer.propose(inputs) if inputs else []
         return {inp.seq_id: p for inp, p in zip(inputs, proposals) if p}
 
-    def _prompt_logprobs(self, item: ScheduledSequence, hidden: torch.Tensor) -> list[dict[int, float]]:
+    @torch.inference_mode()
+    def forward(self, inp: StepInput, observe: bool = False) -> Optional[torch.Tensor]:
+        """The model over the step's flat batch, then the logits of `inp.logits_rows` (None when there are none,
+        and on every tensor-parallel rank but 0). Every rank runs this with the same `inp`; `observe` shows the
+        step to the proposer (a draft model keeps its KV in step)."""
+        dev = self.device
+        pos = torch.tensor(inp.positions, dtype=torch.long)
+        common = build_common_metadata(inp.block_tables, inp.query_lens, inp.seq_lens, pos, inp.num_decodes,
+                                       self.block_size, dev)
+        ids, meta = torch.tensor(inp.input_ids, dtype=torch.long, device=dev), self.attn_backend.build_metadata(common)
+        pos = pos.to(dev)
+        hidden = self.model(ids, pos, meta)
+        if observe and self.proposer is not None:
+            self.proposer.observe_forward(ids, pos, meta)
+        if not inp.logits_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(inp.logits_rows, dtype=torch.long, device=dev)])
+
+    def _prompt_logprobs(self, item: ScheduledSequence, logits: torch.Tensor) -> list[dict[int, float]]:
         """For each prompt position in the span, the logprob of the next prompt token (and the top-K)."""
         seq = item.seq
         p0 = seq.num_computed_tokens
-        targets = seq.token_ids[p0 + 1:p0 + 1 + hidden.shape[0]]
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+        targets = seq.token_ids[p0 + 1:p0 + 1 + logits.shape[0]]
+        logprobs = torch.log_softmax(logits, dim=-1)
         return token_logprobs(logprobs, targets, seq.params.prompt_logprobs or 0)
 
     def _prepare(self, out: SchedulerOutput) -> _Batch:
@@ -200,18 +217,14 @@ class ModelRunner:
             if scoring[id(item)]:
                 prompt_spans.append((item, start, scoring[id(item)]))
 
-        dev = self.device
-        pos = torch.tensor(positions, dtype=torch.long)
-        common = build_common_metadata(tables, query_lens, seq_lens, pos, len(decodes), self.block_size, dev)
         sample_items = [s for s in out.scheduled if s.num_samples > 0 and not s.spec_token_ids]
         spec_items = [s for s in out.scheduled if s.spec_token_ids]
-        logits_indices = [last_index[id(s)] for s in sample_items for _ in range(s.num_samples)]
-        spec_indices = [r for s in spec_items for r in range(last_index[id(s)] - len(s.spec_token_ids), last_index[id(s)] + 1)]
-        return _Batch(
-            torch.tensor(ids, dtype=torch.long, device=dev), pos.to(dev), self.attn_backend.build_metadata(common),
-            torch.tensor(logits_indices, dtype=torch.long, device=dev), sample_items, prompt_spans,
-            spec_items, torch.tensor(spec_indices, dtype=torch.long, device=dev),
-        )
+        logits_rows = [last_index[id(s)] for s in sample_items for _ in range(s.num_samples)]
+        num_sample_rows = len(logits_rows)
+        logits_rows += [r for _, start, rows in prompt_spans for r in range(start, start + rows)]
+        logits_rows += [r for s in spec_items for r in range(last_index[id(s)] - len(s.spec_token_ids), last_index[id(s)] + 1)]
+        inp = StepInput(ids, positions, tables, query_lens, seq_lens, len(decodes), logits_rows)
+        return _Batch(inp, num_sample_rows, sample_items, prompt_spans, spec_items)
 
     def _sampling_metadata(self, items: list[ScheduledSequence]) -> SamplingMetadata:
         params, prompts, outputs, gens = [], [], [], []
@@ -285,13 +298,3 @@ def _prompt_logprob_rows(item: ScheduledSequence) -> int:
     start = max(seq.num_computed_tokens, len(seq.request.prompt_logprobs) - 1)  # recompute: skip what we have
     end = min(seq.num_computed_tokens + item.num_new_tokens, seq.request.num_prompt_tokens - 1)
     return max(0, end - seq.num_computed_tokens) if end > start else 0
-
-
-class _ProfileSeq:
-    """A stand-in sequence for the profiling step: num_tokens of token 0 in blocks 0..n-1."""
-
-    def __init__(self, num_tokens: int, block_ids: list[int]):
-        self.token_ids = [0] * num_tokens
-        self.num_computed_tokens = 0
-        self.block_ids = block_ids
-        self.params = SamplingParams()

@@ -9,7 +9,8 @@ import torch
 from llmrt.attention.kv_quant import allocate_kv, kv_bytes_per_token
 from llmrt.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from llmrt.engine.memory_plan import MemoryPlan, kv_budget_bytes, num_kv_blocks
-from llmrt.engine.step import ModelRunnerOutput, SchedulerOutput
+from llmrt.engine.step import BlockMoves, ModelRunnerOutput, SchedulerOutput, StepInput
+from llmrt.distributed.parallel_state import Communicator, building_shard, rank_device
 from llmrt.errors import OutOfMemoryError
 from llmrt.hardware import device_memory_free_total, tune_cpu_allocator
 from llmrt.worker.model_runner import ModelRunner
@@ -22,14 +23,18 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per attention layer: (K, V)
 class Worker:
     """Owns a device and everything on it: the model, the KV blocks and the host swap pool."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    def __init__(self, config: EngineConfig, rank: int = 0, device: Optional[torch.device] = None,
+                 comm: Optional[Communicator] = None):
+        """`comm`: the tensor-parallel group's communicator when the model is split (rank `rank` of its size)."""
         self.config = config
         self.rank = rank
-        self.device = torch.device(config.device)
+        self.comm = comm
+        self.device = device or rank_device(config.device, rank)
         if self.device.type == "cpu":
             tune_cpu_allocator()
         torch.manual_seed(config.model.seed)
-        self.model_runner = ModelRunner(config, self.device)
+        with building_shard(rank, comm.size if comm else 1, comm):
+            self.model_runner = ModelRunner(config, self.device)
         self.block_size = config.cache.block_size
         self.kv_dtype = config.model.torch_dtype
         self.kv_cache_dtype = config.cache.kv_cache_dtype  # auto (the model dtype) | int8
@@ -67,6 +72,8 @@ class Worker:
                 # A default budget never allocates more than the scheduler could ever fill.
                 useful = self.config.scheduler.max_num_seqs * -(-self.config.model.max_model_len // self.block_size)
                 num_blocks = min(num_blocks, useful)
+        if self.comm is not None:  # every rank must hold the same blocks: the smallest budget decides
+            num_blocks = self.comm.all_min(num_blocks)
         if num_blocks < 1:
             raise_oom(weights, activation, block_bytes)
         self.kv_caches = []
@@ -115,8 +122,14 @@ class Worker:
         """Run the step's forward pass and sampling (its block moves must have run first)."""
         return self.model_runner.execute(step)
 
+    def execute_shard(self, inp: StepInput) -> None:
+        """A rank other than 0: the block moves rank 0 made, then this rank's part of the forward pass."""
+        for moves in inp.block_moves:
+            self.move_blocks(moves)
+        self.model_runner.forward(inp)
+
     @torch.inference_mode()
-    def move_blocks(self, step: SchedulerOutput) -> None:
+    def move_blocks(self, step: "SchedulerOutput | BlockMoves") -> None:
         """Swap-outs, then copy-on-write copies, then swap-ins: a block freed by a swap-out may be the
         destination of a copy or a swap-in in the same step."""
         if step.swap_out:

@@ -24,6 +24,8 @@ const PANELS = [
     {key: "tpot_p99", label: "p99", stroke: "#d62728", scale: 1000}]},
   {id: "spec", title: "Speculative proposals accepted (%), per sample", series: [
     {key: "spec_acceptance", label: "accepted %", stroke: "#e377c2", scale: 100}]},
+  {id: "collective", title: "Tensor parallel: step time in collectives (%), per sample", series: [
+    {key: "collective_share", label: "rank 0 in collectives %", stroke: "#7f7f7f", scale: 100}]},
 ];
 
 const charts = {};  // panel id -> uPlot instance (read by the browser test)

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmrt.model.layers.weights import copy_checked, set_weight_loader
+from llmrt.distributed.parallel_state import communicator, tp_shard
+from llmrt.model.layers.weights import (CheckpointTensor, as_checkpoint_tensor, copy_checked, reads_slices,
+                                        set_weight_loader)
 
 if TYPE_CHECKING:
     from llmrt.model.quantization.base import QuantizationConfig
@@ -98,15 +101,56 @@ class UnquantizedLinearMethod(LinearMethod):
         return F.linear(x, w, b)
 
 
+@dataclass(frozen=True)
+class OutputShard:
+    """Where one projection's rows on this rank come from: checkpoint rows [start, start + length), stored in
+    `size` rows (size > length only for a vocabulary padded to a multiple of the ranks; the rest stay zero)."""
+
+    start: int
+    length: int
+    size: int
+
+
+def split_evenly(full: int, what: str) -> OutputShard:
+    """This rank's equal share of `full` rows (refused, naming the numbers, when they do not divide)."""
+    shard = tp_shard()
+    if full % shard.size:
+        raise ValueError(f"{what} of {full} does not divide into {shard.size} tensor-parallel ranks")
+    per = full // shard.size
+    return OutputShard(shard.rank * per, per, per)
+
+
 class Linear(nn.Module):
-    """y = x W^T + b, where W may be several HF projections stacked along the output dim."""
+    """y = x W^T + b, where W may be several HF projections stacked along the output dim.
+
+    `parallel` says how the layer is split over tensor-parallel ranks: "replicated" (whole on every rank),
+    "column" (each rank holds `shards`, a slice of every projection's rows; default an equal share) or "row"
+    (each rank holds an equal slice of the input columns; the partial outputs are summed by one all-reduce,
+    and only rank 0 adds the bias).
+    """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 compute_dtype: Optional[torch.dtype] = None, quant_config: Optional["QuantizationConfig"] = None):
+                 compute_dtype: Optional[torch.dtype] = None, quant_config: Optional["QuantizationConfig"] = None,
+                 parallel: str = "replicated", shards: Optional[list[OutputShard]] = None):
         super().__init__()
+        tp = tp_shard()
+        self.tp_size = tp.size
+        self.parallel = parallel if tp.size > 1 else "replicated"
+        self.full_output_sizes = list(output_sizes)
+        if self.parallel == "column":
+            shards = shards or [split_evenly(n, "an output dimension") for n in output_sizes]
+        else:
+            shards = [OutputShard(0, n, n) for n in output_sizes]
+        self.shards = shards
+        self.input_start = 0
+        if self.parallel == "row":
+            cols = split_evenly(in_features, "an input dimension")
+            self.input_start, in_features = cols.start, cols.length
+        self.bias_on_this_rank = self.parallel != "row" or tp.rank == 0
+        self.comm = communicator() if self.parallel == "row" else None
         self.in_features = in_features
-        self.output_sizes = list(output_sizes)
-        self.out_features = sum(output_sizes)
+        self.output_sizes = [s.size for s in shards]
+        self.out_features = sum(self.output_sizes)
         self.compute_dtype = compute_dtype
         self.native_max_rows = 0  # see hardware.native_half_max_rows; set by the loader for the device
         self.row_tile = 0  # > 0: --deterministic, matmuls on fixed-size row tiles (model/layers/batch_invariant.py)
@@ -120,14 +164,43 @@ class Linear(nn.Module):
         start = sum(self.output_sizes[:shard])
         return slice(start, start + self.output_sizes[shard])
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int] = None) -> None:
-        """Copy a checkpoint tensor into `param`: whole, or into the rows of projection `shard_id`."""
-        target = param.data if shard_id is None else param.data[self.shard_slice(shard_id)]
-        copy_checked(target, loaded)
+    @reads_slices
+    def weight_loader(self, param: nn.Parameter, loaded: "torch.Tensor | CheckpointTensor",
+                      shard_id: Optional[int] = None) -> None:
+        """Copy this rank's part of a checkpoint tensor into `param`: the whole fused tensor (shard_id None) or
+        projection `shard_id`; a row-parallel layer reads only its input columns."""
+        loaded = as_checkpoint_tensor(loaded)
+        is_bias = param.dim() == 1
+        projections = range(len(self.shards)) if shard_id is None else [shard_id]
+        full_rows = sum(self.full_output_sizes[i] for i in projections)
+        cols = self.in_features * (self.tp_size if self.parallel == "row" else 1)
+        expected = (full_rows,) if is_bias else (full_rows, cols)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {expected}")
+        if self.parallel == "row":
+            if is_bias:
+                if self.bias_on_this_rank:
+                    copy_checked(param.data, loaded)
+                else:  # summed over ranks by the all-reduce: rank 0 alone adds it
+                    param.data.zero_()
+                return
+            copy_checked(param.data[self.shard_slice(shard_id)] if shard_id is not None else param.data,
+                         loaded.narrow(1, self.input_start, self.in_features))
+            return
+        offset = 0  # row of projection i within the loaded tensor
+        for i in projections:
+            s = self.shards[i]
+            target = param.data[self.shard_slice(i)]
+            copy_checked(target[:s.length], loaded.narrow(0, offset + s.start, s.length))
+            if s.size > s.length:
+                target[s.length:].zero_()
+            offset += self.full_output_sizes[i]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_tile:
             from llmrt.model.layers.batch_invariant import tiled_apply
 
-            return tiled_apply(self, x, self.row_tile)
-        return self.method.apply(self, x)
+            y = tiled_apply(self, x, self.row_tile)
+        else:
+            y = self.method.apply(self, x)
+        return self.comm.all_reduce(y) if self.comm is not None else y

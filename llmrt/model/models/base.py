@@ -7,7 +7,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from llmrt.distributed.parallel_state import communicator
 from llmrt.model.layers.attention import Attention
+from llmrt.model.layers.weights import CheckpointTensor
 from llmrt.model.layers.linear import Linear
 
 
@@ -37,13 +39,19 @@ class CausalLM(nn.Module):
         self.hf_config = hf_config
         self.compute_dtype = compute_dtype
         self.lm_head: Linear
+        self.comm = communicator()  # the vocabulary-parallel head's logits are gathered through it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         raise NotImplementedError
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the given hidden states."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Float32 logits for the given hidden states. Tensor parallel: every rank computes its vocabulary
+        slice and rank 0 gathers them (other ranks get None)."""
+        logits = self.lm_head(hidden).float()
+        if self.comm is None:
+            return logits
+        logits = self.comm.gather_to_first(logits)
+        return logits[..., :self.lm_head.full_output_sizes[0]] if logits is not None else None
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """Per-token KV shape."""
@@ -54,7 +62,7 @@ class CausalLM(nn.Module):
         """Attention modules in layer order (the runner binds their cache tensors)."""
         return [m for m in self.modules() if isinstance(m, Attention)]
 
-    def transform_weight(self, hf_name: str, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    def transform_weight(self, hf_name: str, tensor: CheckpointTensor) -> CheckpointTensor:
         """Adapt a checkpoint tensor to our layout (identity by default)."""
         return tensor
 

@@ -9,8 +9,9 @@ from torch import nn
 from llmrt.errors import UnsupportedError
 from llmrt.model.layers.activation import get_activation
 from llmrt.model.layers.attention import Attention
-from llmrt.model.layers.embedding import Embedding
-from llmrt.model.layers.linear import Linear
+from llmrt.model.layers.embedding import Embedding, vocab_shard
+from llmrt.model.layers.linear import Linear, split_evenly
+from llmrt.model.layers.weights import CheckpointTensor
 from llmrt.model.layers.norms import LayerNorm
 from llmrt.model.models.base import CausalLM
 from llmrt.model.quantization import QuantizationConfig
@@ -26,14 +27,16 @@ class GPT2Block(nn.Module):
         d, heads = c["n_embd"], c["n_head"]
         inner = c.get("n_inner") or 4 * d
         eps = c.get("layer_norm_epsilon", 1e-5)
-        self.heads, self.head_dim = heads, d // heads
+        self.head_dim = d // heads
+        q = split_evenly(d, "n_embd")  # each rank holds heads / tp heads of q, k and v
+        self.heads = q.size // self.head_dim
         self.ln_1 = LayerNorm(d, eps)
         self.ln_2 = LayerNorm(d, eps)
-        self.c_attn = Linear(d, [d, d, d], True, dtype, quant)
-        self.attn_c_proj = Linear(d, [d], True, dtype, quant)
-        self.c_fc = Linear(d, [inner], True, dtype, quant)
-        self.mlp_c_proj = Linear(inner, [d], True, dtype, quant)
-        self.attn = Attention(heads, heads, self.head_dim, self.head_dim ** -0.5)
+        self.c_attn = Linear(d, [d, d, d], True, dtype, quant, parallel="column", shards=[q, q, q])
+        self.attn_c_proj = Linear(d, [d], True, dtype, quant, parallel="row")
+        self.c_fc = Linear(d, [inner], True, dtype, quant, parallel="column")
+        self.mlp_c_proj = Linear(inner, [d], True, dtype, quant, parallel="row")
+        self.attn = Attention(self.heads, self.heads, self.head_dim, self.head_dim ** -0.5)
         self.act = get_activation(c.get("activation_function", "gelu_new"))
 
     def forward(self, x: torch.Tensor, meta: Any) -> torch.Tensor:
@@ -55,11 +58,12 @@ class GPT2LMHeadModel(CausalLM):
             raise UnsupportedError("GPT-2 variants with scale_attn_by_inverse_layer_idx or cross attention are not supported")
         if c.get("scale_attn_weights") is False:
             raise UnsupportedError("GPT-2 with scale_attn_weights=false is not supported")
-        self.wte = Embedding(c["vocab_size"], c["n_embd"], compute_dtype)
+        self.wte = Embedding(c["vocab_size"], c["n_embd"], compute_dtype, vocab_parallel=True)
         self.wpe = Embedding(c["n_positions"], c["n_embd"], compute_dtype)
         self.h = nn.ModuleList(GPT2Block(c, compute_dtype, quant_config) for _ in range(c["n_layer"]))
         self.ln_f = LayerNorm(c["n_embd"], c.get("layer_norm_epsilon", 1e-5))
-        self.lm_head = Linear(c["n_embd"], [c["vocab_size"]], False, compute_dtype)
+        self.lm_head = Linear(c["n_embd"], [c["vocab_size"]], False, compute_dtype, parallel="column",
+                              shards=[vocab_shard(c["vocab_size"])])
         self.lm_head.weight = self.wte.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
@@ -76,8 +80,8 @@ class GPT2LMHeadModel(CausalLM):
             name = name.replace(src, dst)
         return name
 
-    def transform_weight(self, hf_name: str, tensor: torch.Tensor) -> Optional[torch.Tensor]:
-        # HF's Conv1D stores [in, out]; our Linear wants [out, in].
+    def transform_weight(self, hf_name: str, tensor: CheckpointTensor) -> CheckpointTensor:
+        # HF's Conv1D stores [in, out]; our Linear wants [out, in] (a lazy view: a rank reads only its slice).
         return tensor.t() if hf_name.endswith(_CONV1D) else tensor
 
     def tied_parameters(self) -> dict[str, str]:

@@ -9,8 +9,9 @@ from torch import nn
 
 from llmrt.model.layers.activation import gated, get_activation
 from llmrt.model.layers.attention import Attention
-from llmrt.model.layers.embedding import Embedding
-from llmrt.model.layers.linear import Linear
+from llmrt.distributed.parallel_state import tp_shard
+from llmrt.model.layers.embedding import Embedding, vocab_shard
+from llmrt.model.layers.linear import Linear, OutputShard, split_evenly
 from llmrt.model.layers.norms import RMSNorm
 from llmrt.model.layers.rotary import RotaryEmbedding, rope_parameters
 from llmrt.model.models.base import CausalLM
@@ -63,27 +64,43 @@ class LlamaArch:
         )
 
 
+def kv_head_shard(kv_heads: int, head_dim: int) -> OutputShard:
+    """This rank's KV heads: an equal share, or (fewer KV heads than ranks) one head shared by tp / kv ranks."""
+    tp = tp_shard()
+    if kv_heads >= tp.size:
+        return split_evenly(kv_heads * head_dim, "KV heads x head_dim")
+    head = tp.rank // (tp.size // kv_heads)
+    return OutputShard(head * head_dim, head_dim, head_dim)
+
+
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, optional q/k norm, RoPE, paged attention, output projection."""
+    """Fused QKV projection, optional q/k norm, RoPE, paged attention, output projection.
+
+    Tensor parallel: each rank holds heads / tp query heads and their KV heads (column-parallel qkv_proj) and
+    the matching input columns of o_proj (row-parallel, one all-reduce)."""
 
     def __init__(self, a: LlamaArch, rotary: RotaryEmbedding, window: Optional[int], dtype: torch.dtype,
                  quant: Optional[QuantizationConfig]):
         super().__init__()
         self.a = a
-        self.q_size, self.kv_size = a.heads * a.head_dim, a.kv_heads * a.head_dim
-        self.qkv_proj = Linear(a.hidden, [self.q_size, self.kv_size, self.kv_size], a.qkv_bias, dtype, quant)
-        self.o_proj = Linear(self.q_size, [a.hidden], a.o_bias, dtype, quant)
+        q = split_evenly(a.heads * a.head_dim, "query heads x head_dim")
+        kv = kv_head_shard(a.kv_heads, a.head_dim)
+        self.heads, self.kv_heads = q.size // a.head_dim, kv.size // a.head_dim
+        self.q_size, self.kv_size = q.size, kv.size
+        self.qkv_proj = Linear(a.hidden, [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim],
+                               a.qkv_bias, dtype, quant, parallel="column", shards=[q, kv, kv])
+        self.o_proj = Linear(a.heads * a.head_dim, [a.hidden], a.o_bias, dtype, quant, parallel="row")
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.eps)
             self.k_norm = RMSNorm(a.head_dim, a.eps)
         self.rotary = rotary
-        self.attn = Attention(a.heads, a.kv_heads, a.head_dim, a.head_dim ** -0.5, window)
+        self.attn = Attention(self.heads, self.kv_heads, a.head_dim, a.head_dim ** -0.5, window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.a.heads, self.a.head_dim)
-        k = k.view(-1, self.a.kv_heads, self.a.head_dim)
-        v = v.view(-1, self.a.kv_heads, self.a.head_dim)
+        q = q.view(-1, self.heads, self.a.head_dim)
+        k = k.view(-1, self.kv_heads, self.a.head_dim)
+        v = v.view(-1, self.kv_heads, self.a.head_dim)
         if self.a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
@@ -95,8 +112,9 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, a: LlamaArch, dtype: torch.dtype, quant: Optional[QuantizationConfig]):
         super().__init__()
-        self.gate_up_proj = Linear(a.hidden, [a.intermediate, a.intermediate], a.mlp_bias, dtype, quant)
-        self.down_proj = Linear(a.intermediate, [a.hidden], a.mlp_bias, dtype, quant)
+        self.gate_up_proj = Linear(a.hidden, [a.intermediate, a.intermediate], a.mlp_bias, dtype, quant,
+                                   parallel="column")
+        self.down_proj = Linear(a.intermediate, [a.hidden], a.mlp_bias, dtype, quant, parallel="row")
         self.act = get_activation(a.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +148,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, a: LlamaArch, rope: dict[str, Any], dtype: torch.dtype, quant: Optional[QuantizationConfig]):
         super().__init__()
-        self.embed_tokens = Embedding(a.vocab, a.hidden, dtype)
+        self.embed_tokens = Embedding(a.vocab, a.hidden, dtype, vocab_parallel=True)
         rotary = RotaryEmbedding(a.head_dim, a.max_positions, rope)
         self.layers = nn.ModuleList(LlamaDecoderLayer(a, rotary, a.sliding_windows[i], dtype, quant)
                                     for i in range(a.layers))
@@ -159,7 +177,8 @@ class LlamaForCausalLM(CausalLM):
         self.arch = LlamaArch.from_hf(hf_config, architecture)
         # The LM head stays unquantized (as in vLLM): its logits set every sampling decision.
         self.model = LlamaModel(self.arch, rope_parameters(hf_config), compute_dtype, quant_config)
-        self.lm_head = Linear(self.arch.hidden, [self.arch.vocab], False, compute_dtype)
+        self.lm_head = Linear(self.arch.hidden, [self.arch.vocab], False, compute_dtype, parallel="column",
+                              shards=[vocab_shard(self.arch.vocab)])
         if self.arch.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
 

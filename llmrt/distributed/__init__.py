@@ -1,0 +1,1 @@
+"""torch.distributed process groups, the tensor-parallel communicator and its timing, worker processes."""
