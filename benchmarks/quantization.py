@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), help="a subset of: " + ", ".join(CONFIGS))
     ap.add_argument("--model", help="a checkpoint directory instead of the random 110m model")
     ap.add_argument("--name", default="quantization", help="prefix of the result files and table")
     ap.add_argument("--torch-paths", action="store_true", help="also measure every config with LLMRT_KERNELS=0")
@@ -48,7 +49,7 @@ def main() -> None:
     for paths in (("torch", "ours") if args.torch_paths else ("ours",)):
         os.environ["LLMRT_KERNELS"] = "0" if paths == "torch" else "auto"
         llmrt.kernels.kernels.cache_clear()
-        for k, v in CONFIGS.items():
+        for k, v in ((k, CONFIGS[k]) for k in args.configs):
             label = f"{k} (torch)" if paths == "torch" else k
             llms[label] = LLM(str(path), max_model_len=1024, kv_cache_memory=64 << 20, **v)
     lib = llmrt.kernels.kernels()

@@ -1,7 +1,7 @@
 """llmrt's own CPU matmul kernels (llmrt/kernels/csrc), compiled once per source and ISA and loaded as torch ops.
 
-The C++ source is JIT-compiled with `torch.utils.cpp_extension.load` into a cache directory keyed by a hash of
-the source, the ISA build flags and the torch version (`$LLMRT_CACHE_DIR/kernels` or `~/.cache/llmrt/kernels`),
+The C++ sources are JIT-compiled with `torch.utils.cpp_extension.load` into a cache directory keyed by a hash of
+the sources, the ISA build flags and the torch version (`$LLMRT_CACHE_DIR/kernels` or `~/.cache/llmrt/kernels`),
 so a process pays the compile once per machine (`make install` pre-builds it) and later ones only load the .so.
 The ISA comes from the capability table (`hardware.kernel_isa`). Where the compiler or the ISA is missing, or
 `LLMRT_KERNELS=0`, `kernels()` returns None (logged once, with the reason) and the linear methods keep torch's
@@ -26,7 +26,8 @@ from llmrt.hardware import cpu_flags, kernel_isa
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "linear.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "linear.cpp"  # includes simd.h
 ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
@@ -66,8 +67,10 @@ def _cflags(isa: str) -> list[str]:
 
 
 def build_dir(isa: str) -> Path:
-    """The cache directory of `isa`'s build of the current source (hash of source, flags, torch version)."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    """The cache directory of `isa`'s build of the current sources (hash of csrc/, flags, torch version)."""
+    h = hashlib.sha256()
+    for f in sorted(CSRC.iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
     h.update(" ".join(_cflags(isa)).encode())
     h.update(torch.__version__.encode())
     return cache_root() / f"{isa}-{h.hexdigest()[:16]}"

@@ -9,12 +9,12 @@
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "simd.h"
 
 #ifndef LLMRT_NS
 #error "LLMRT_NS (the torch op namespace) must be defined"
@@ -22,75 +22,7 @@
 
 namespace {
 
-#if defined(LLMRT_AVX512)
-constexpr int VL = 16;
-using vf = __m512;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vset1(float a) { return _mm512_set1_ps(a); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
-inline vf wload(const uint16_t* p) {  // bf16 -> fp32: the bf16 bits are the high half of the fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline vf wload(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
-// 16 packed bytes -> the 32 nibble values of one int4 chunk as fp32: lo = k 0..15, hi = k 16..31.
-inline void nibbles(const uint8_t* p, vf* out) {
-  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
-  out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-}
-constexpr int MB = 4;  // activation rows per tile (32 zmm registers: 16 accumulators)
-#else
-constexpr int VL = 8;
-using vf = __m256;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vset1(float a) { return _mm256_set1_ps(a); }
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(vf a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-inline vf wload(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-inline vf wload(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-inline void nibbles(const uint8_t* p, vf* out) {  // out: k 0..7, 8..15, 16..23, 24..31
-  const __m256i m = _mm256_set1_epi32(0xF);
-  __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
-  out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, m));
-  out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, m));
-  out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
-  out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-}
-constexpr int MB = 2;  // 16 ymm registers: 8 accumulators, 4 weight vectors, 1 activation
-#endif
-constexpr int NB = 4;  // weight rows per tile
-
-inline float to_f(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline float to_f(int8_t v) { return float(v); }
-inline float to_f(float v) { return v; }
-inline vf wload(const float* p) { return vload(p); }
-inline void vstore(float* p, vf v) {
-#if defined(LLMRT_AVX512)
-  _mm512_storeu_ps(p, v);
-#else
-  _mm256_storeu_ps(p, v);
-#endif
-}
+using namespace llmrt_simd;
 
 // out[i][j] = sum_k x[i, k] * w[j, k] for mb activation rows and nb weight rows (both <= MB, NB).
 template <typename WT, int mb, int nb>
@@ -132,17 +64,17 @@ inline void int4_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw
   for (int i = 0; i < mb; ++i)
     for (int j = 0; j < nb; ++j) acc[i][j] = vzero();
   for (int64_t g = 0; g < G; ++g) {
-    vf s[nb], b[nb];
+    vf s[nb], b[nb], t[nb];
     for (int j = 0; j < nb; ++j) {
       float sc = to_f(sz[(j * G + g) * 2]), z = to_f(sz[(j * G + g) * 2 + 1]);
       s[j] = vset1(sc);
       b[j] = vset1(z - 8.0f * sc);
+      t[j] = dq_table(s[j], b[j]);
     }
     for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
       vf wv[nb][C];
       for (int j = 0; j < nb; ++j) {
-        nibbles(w + j * ldw + k / 2, wv[j]);
-        for (int c = 0; c < C; ++c) wv[j][c] = vfma(wv[j][c], s[j], b[j]);
+        dq_chunk(w + j * ldw + k / 2, s[j], b[j], t[j], wv[j]);
       }
       for (int i = 0; i < mb; ++i)
         for (int c = 0; c < C; ++c) {
@@ -313,11 +245,11 @@ struct Int4Tile {
       const uint16_t* gz = sz + (n0 + j) * G * 2;
       for (int64_t g = 0; g < G; ++g) {
         const float sc = to_f(gz[2 * g]), z = to_f(gz[2 * g + 1]);
-        const vf s = vset1(sc), bb = vset1(z - 8.0f * sc);
+        const vf s = vset1(sc), bb = vset1(z - 8.0f * sc), t = dq_table(s, bb);
         for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
           vf wv[C];
-          nibbles(src + k / 2, wv);
-          for (int c = 0; c < C; ++c) vstore(dst + j * Kp + k + c * VL, vfma(wv[c], s, bb));
+          dq_chunk(src + k / 2, s, bb, t, wv);
+          for (int c = 0; c < C; ++c) vstore(dst + j * Kp + k + c * VL, wv[c]);
         }
       }
     }
