@@ -74,3 +74,15 @@ def test_auto_picks_it_on_cpu_and_the_switch_turns_it_off(monkeypatch):
     finally:
         monkeypatch.delenv("LLMRT_ATTENTION_KERNEL")
         load_kernel.cache_clear()
+
+
+def test_cpu_kv_cache_is_zeroed_memory_taken_on_first_touch():
+    from llmrt.attention.kv_quant import allocate_kv
+    from llmrt.model.models.base import KVCacheSpec
+
+    for dtype, kind in ((torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float32, "int8")):
+        (k, v), _ = allocate_kv(KVCacheSpec(2, 2, 8), 64, 4, dtype, kind, torch.device("cpu"))
+        assert k.shape[:3] == (64, 4, 2) and k.is_contiguous() and k.data_ptr() != v.data_ptr()
+        assert not k.any() and not v.any()
+        k[3] = 1
+        assert int(k.count_nonzero()) == k[3].numel() and not v.any()

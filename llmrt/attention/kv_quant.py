@@ -6,6 +6,8 @@ carry them with no code of their own.
 """
 from __future__ import annotations
 
+import math
+import mmap
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,9 +47,19 @@ def allocate_kv(spec: "KVCacheSpec", num_blocks: int, block_size: int, model_dty
     shape = (num_blocks, block_size, spec.num_kv_heads, dim)
     if host:
         make = lambda: torch.empty(shape, dtype=dtype, pin_memory=pin)  # noqa: E731
+    elif device.type == "cpu":
+        make = lambda: _zeroed_on_touch(shape, dtype)  # noqa: E731
     else:
         make = lambda: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
     return [(make(), make()) for _ in range(spec.num_layers)]
+
+
+def _zeroed_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in anonymous memory: the OS gives zero pages on first touch, so start-up pays no memset
+    of the whole cache (2 GiB by default: seconds) and blocks never used never take memory."""
+    count = math.prod(shape)
+    buf = mmap.mmap(-1, max(1, count * torch.empty((), dtype=dtype).element_size()))
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)  # the tensor keeps `buf` alive
 
 
 def is_quantized(cache: torch.Tensor) -> bool:

@@ -52,6 +52,9 @@ class AsyncLLM:
         self.config = config
         self.tokenizer_path = tokenizer or config.model.model
         self.tokenizer: Tokenizer = load_tokenizer(self.tokenizer_path, chat_template)
+        if self.tokenizer.has_chat_template:
+            # Chat templates render through transformers: build it now, not inside the first chat request.
+            self.tokenizer.hf
         self.model_name = str(config.model.served_model_name)
         self.max_model_len = int(config.model.max_model_len)
         self.health_step_timeout = health_step_timeout
