@@ -13,12 +13,11 @@ $(STAMP): pyproject.toml
 	# The pinned CPU wheel first: a loose torch requirement would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
-	# Compile the CPU attention kernel now (cached), so that no first `llmrt generate` pays for it.
-	$(PY) -c "from llmrt.attention.cpu_paged import load_kernel; load_kernel()"
 	touch $(STAMP)
 
-# llmrt's C++ linear kernels, compiled once per source and ISA into ~/.cache/llmrt/kernels (a cached build
-# only loads), so that tests and the first request do not pay the compile; failures leave torch's paths.
+# llmrt's C++ kernels (linear layers per ISA, CPU paged attention), compiled once per source into ~/.cache/llmrt
+# (a cached build only loads), so that tests and the first request do not pay the compile; failures leave
+# torch's paths.
 kernels: $(STAMP)
 	-$(PY) -m llmrt.kernels
 

@@ -10,12 +10,8 @@ own paths. `LLMRT_KERNELS=avx2|avx512` forces a build the CPU supports (tests co
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import sysconfig
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -23,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from llmrt.hardware import cpu_flags, kernel_isa
+from llmrt.kernels import build
 
 logger = logging.getLogger(__name__)
 
@@ -56,24 +53,13 @@ class KernelLib:
     dequantize_int4: Callable[..., None]
 
 
-def cache_root() -> Path:
-    """Where compiled kernels live: $LLMRT_CACHE_DIR/kernels, else ~/.cache/llmrt/kernels."""
-    base = os.environ.get("LLMRT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llmrt")
-    return Path(base) / "kernels"
-
-
 def _cflags(isa: str) -> list[str]:
     return ["-O3", "-fopenmp", f"-DLLMRT_NS=llmrt_{isa}", *ISA_FLAGS[isa]]
 
 
 def build_dir(isa: str) -> Path:
     """The cache directory of `isa`'s build of the current sources (hash of csrc/, flags, torch version)."""
-    h = hashlib.sha256()
-    for f in sorted(CSRC.iterdir()):
-        h.update(f.name.encode() + f.read_bytes())
-    h.update(" ".join(_cflags(isa)).encode())
-    h.update(torch.__version__.encode())
-    return cache_root() / f"{isa}-{h.hexdigest()[:16]}"
+    return build.build_dir("kernels", f"llmrt_kernels_{isa}", sorted(CSRC.iterdir()), _cflags(isa))
 
 
 def _ops(isa: str, path: Path, how: str, seconds: float) -> KernelLib:
@@ -88,25 +74,9 @@ def load(isa: str) -> KernelLib:
     missing = [f for f in ISA_NEEDS[isa] if f not in cpu_flags()]
     if missing:
         raise RuntimeError(f"this CPU lacks {', '.join(missing)} for the {isa} kernels")
-    d = build_dir(isa)
-    name = f"llmrt_kernels_{isa}"
-    done = d / "ok"
-    t = time.perf_counter()
-    if done.is_file():
-        path = Path(done.read_text().strip())
-        torch.ops.load_library(str(path))
-        return _ops(isa, path, "cached", time.perf_counter() - t)
-    from torch.utils import cpp_extension  # imported only to compile: it pulls in setuptools
-
-    if shutil.which("ninja") is None:  # pip's ninja lands beside this Python, which may not be on PATH
-        os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", "")
-    logger.warning("compiling llmrt kernels (%s) into %s: once per source and ISA, about a minute", isa, d)
-    d.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_cflags(isa), extra_ldflags=["-fopenmp"],
-                       build_directory=str(d), is_python_module=False, verbose=False)
-    path = max(d.glob(f"{name}*.so"), key=lambda p: p.stat().st_mtime)
-    done.write_text(str(path))
-    return _ops(isa, path, "compiled", time.perf_counter() - t)
+    headers = [f for f in CSRC.iterdir() if f != SOURCE]
+    b = build.load_or_compile("kernels", f"llmrt_kernels_{isa}", [SOURCE], _cflags(isa), headers)
+    return _ops(isa, b.path, b.how, b.seconds)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,5 @@
-"""`python -m llmrt.kernels`: build (or find cached) every kernel build this CPU can run; `make install` runs it."""
+"""`python -m llmrt.kernels`: build (or find cached) every kernel build this CPU can run, linear and attention;
+`make install` runs it."""
 from __future__ import annotations
 
 import sys
@@ -9,11 +10,18 @@ from llmrt.kernels import ISA_NEEDS, load
 
 def main() -> int:
     """Build each ISA's kernels the CPU supports; 0 when all built (or none apply), 1 when a build failed."""
+    from llmrt.attention.cpu_paged import load_kernel
+
+    failed = 0
+    if load_kernel() is None:  # its warning says why; the torch attention backend still works
+        print("llmrt attention kernel (cpu_paged): not built; the torch backend will be used", file=sys.stderr)
+        failed += 1
+    else:
+        print("llmrt attention kernel (cpu_paged): ready")
     isas = [isa for isa, needs in ISA_NEEDS.items() if set(needs) <= cpu_flags()]
     if not isas:
         print("llmrt kernels: this CPU has no AVX2+FMA; torch's paths will be used")
-        return 0
-    failed = 0
+        return 1 if failed else 0
     for isa in isas:
         try:
             lib = load(isa)
