@@ -3,6 +3,7 @@ cache-unfriendly ordering is flagged, costs follow the model config, and the acc
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -112,7 +113,10 @@ def test_access_log_routes_cached_share_and_oversized_max_tokens(tmp_path):
         r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                            "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200
-        log = url.log()
+        # The access-log line is written as the response completes, so it can trail the client's read by a moment.
+        deadline = time.monotonic() + 10
+        while '"/v1/chat/completions"' not in (log := url.log()) and time.monotonic() < deadline:
+            time.sleep(0.05)
     (tmp_path / "server.log").write_text(log)
     summary = access_summary(read_access_log(str(tmp_path / "server.log")), ratio=4.0)
     routes = {r["route"]: r for r in summary["routes"]}
