@@ -31,11 +31,13 @@ ISA_FLAGS = {
                "-DLLMRT_AVX512"],
 }
 # Steps of up to this many rows run our kernel; larger ones torch's GEMM (int8/int4 weights dequantized into one
-# reused buffer first). Chosen from benchmarks/linear-kernels.md (110m layer shapes): ours is 2-5x faster than
-# torch's bf16/fp32 for 1-8 rows; at 16 rows torch's native bf16 GEMM (AVX512-BF16) wins, the fp32 upcast that
-# emulated bf16 takes does not; for int8/int4 ours matched or beat torch's packed kernels and dequantize+GEMM
-# up to 64 rows. "bf16 upcast": bf16 weights on a CPU without bf16 arithmetic (activations are fp32).
-MAX_ROWS = {"bf16": 8, "bf16 upcast": 16, "int8": 64, "int4": 64}
+# reused buffer first). Chosen from benchmarks/linear-kernels.md (110m layer shapes) and an idle rerun on an
+# AVX-512-BF16 CPU (docs/performance.md): summed over the 110m layer shapes, ours matches torch's native bf16 at
+# 1 row, is 1.2x faster at 2, even at 4, and 1.7x slower at 8 (a batch of 8 lost 27% throughput with the old
+# limit of 8). "bf16 upcast": bf16 weights on a CPU without bf16 arithmetic (activations fp32), where torch's
+# path is an fp32 GEMM over an upcast copy. int8/int4: ours matched or beat dequantize+GEMM up to 64 rows; where
+# torch's packed int4 kernel applies, the int4 method prefers it (int4.py says why).
+MAX_ROWS = {"bf16": 4, "bf16 upcast": 16, "int8": 64, "int4": 64}
 ISA_NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq")}
 
 

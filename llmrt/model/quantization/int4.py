@@ -1,10 +1,10 @@
 """Weight-only int4: asymmetric group-wise (a scale and a zero per group of input weights), packed two per byte.
 
-On CPU with llmrt's kernels (llmrt/kernels), the nibbles are packed in their layout (`pack_int4_chunks`) with
-bf16 scales and zeros: small steps run the kernel, larger ones dequantize into one reused buffer and run the
-compute dtype's GEMM. Without them, layers whose output size is a multiple of 16 keep torch's packed layout and
-use its int4 kernel with bf16 activations for every step; elsewhere (CUDA, odd sizes) the nibbles are packed
-plainly and dequantized to the compute dtype per matmul.
+On CPU, layers whose output size is a multiple of 16 keep torch's packed layout and use its int4 kernel with bf16
+activations for every step (measured faster than ours end to end). Other CPU layers, with llmrt's kernels
+(llmrt/kernels), are packed in their layout (`pack_int4_chunks`) with bf16 scales and zeros: small steps run the
+kernel, larger ones dequantize into one reused buffer and run the compute dtype's GEMM. Elsewhere (CUDA, or no
+kernels) the nibbles are packed plainly and dequantized to the compute dtype per matmul.
 Values follow tinygemm's convention: w = (q - 8) * scale + zero, q in [0, 15].
 """
 from __future__ import annotations
@@ -128,8 +128,11 @@ class Int4LinearMethod(UnquantizedLinearMethod):
         from llmrt.kernels import for_layer
 
         n = q.shape[0]
-        layer.kernels, layer.kernel_max_rows = for_layer("int4", q) if self.group_size % 32 == 0 else (None, 0)
-        layer.int4_torch_packed = layer.kernels is None and q.device.type == "cpu" and n % 16 == 0
+        # torch's packed int4 kernel where it applies (CPU, N % 16 == 0): idle, end to end on the 110m model, it
+        # decoded in 8.0-13.2 ms per token where ours took 13.7-17.4 (docs/quantization.md); ours covers the rest.
+        layer.int4_torch_packed = q.device.type == "cpu" and n % 16 == 0
+        use_ours = not layer.int4_torch_packed and self.group_size % 32 == 0
+        layer.kernels, layer.kernel_max_rows = for_layer("int4", q) if use_ours else (None, 0)
         if layer.kernels is not None:
             layer.qweight = nn.Parameter(pack_int4_chunks(q), requires_grad=False)
             layer.scales_zeros = nn.Parameter(torch.stack([scale, zero], dim=-1).bfloat16(), requires_grad=False)
