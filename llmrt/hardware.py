@@ -259,6 +259,10 @@ def _cpu_support(fmt: str, flags: frozenset[str]) -> tuple[str, str]:
         from llmrt.kernels import MAX_ROWS
 
         ours = kernel_isa(flags)
+        if ours and fmt == "int4":
+            return NATIVE, ("weight-only int4: torch's packed kernel (bf16 activations) where the output size is a "
+                            f"multiple of 16 (measured faster), llmrt's {ours} kernel for other layers' steps of up "
+                            f"to {MAX_ROWS[fmt]} rows (docs/quantization.md)")
         if ours:
             return NATIVE, (f"weight-only {fmt}: llmrt's {ours} kernel for steps of up to {MAX_ROWS[fmt]} rows, "
                             "dequantized to the compute dtype above (torch's packed kernels where ours cannot be "
