@@ -27,6 +27,8 @@ ROWS = [1, 2, 3, 5, 8, 17, 64]
 def _weights(n: int, k: int, fmt: str) -> tuple[tuple, torch.Tensor]:
     """(kernel arguments after x, the dense fp64 weights they stand for)."""
     w = torch.randn(n, k)
+    if fmt == "fp32":
+        return (w,), w.double()
     if fmt == "bf16":
         wb = w.bfloat16()
         return (wb,), wb.double()
@@ -46,7 +48,7 @@ def _call(lib: K.KernelLib, fmt: str, x: torch.Tensor, args: tuple, bias) -> tor
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
 def test_kernel_matches_reference(isa, fmt):
     """fp32 accumulation: error within 1e-5 of sum|x||w| (fp32 out), plus bf16 rounding of the output (bf16 out)."""
     torch.manual_seed(0)
@@ -71,7 +73,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(isa):
     torch.manual_seed(1)
     lib = K.load(isa)
     x = torch.randn(64, 300)
-    for fmt in ("bf16", "int8", "int4"):
+    for fmt in ("fp32", "bf16", "int8", "int4"):
         args, _ = _weights(67, 300, fmt)
         bias = torch.randn(67)
         full = _call(lib, fmt, x, args, bias)
@@ -127,7 +129,8 @@ def kernels_env(monkeypatch):
     K.kernels.cache_clear()
 
 
-@pytest.mark.parametrize("quant,dtype", [(None, "bfloat16"), ("int8", "float32"), ("int4", "float32")])
+@pytest.mark.parametrize("quant,dtype", [(None, "bfloat16"), (None, "float32"), ("int8", "float32"),
+                                         ("int4", "float32")])
 def test_layers_use_the_kernels_and_match_torchs_paths(quant, dtype, kernels_env, embedded_model_dir):
     """The same model with the kernels and with LLMRT_KERNELS=0 (torch's paths): same greedy story."""
     params = SamplingParams(max_tokens=16, temperature=0)
@@ -143,8 +146,8 @@ def test_layers_use_the_kernels_and_match_torchs_paths(quant, dtype, kernels_env
             quantized = layers[:-1]
             assert chosen and all((m.kernels is not None) != m.int4_torch_packed for m in quantized)
             assert all(m.kernels is not None for m in quantized if m.out_features % 16)
-        else:  # every quantized layer; for bf16 every Linear (the tied LM head too)
-            assert len(chosen) == len(layers) if quant is None else len(chosen) == len(layers) - 1
+        else:  # every Linear: quantized ones, and the fp32/bf16 ones (the LM head too)
+            assert len(chosen) == len(layers)
         out[choice] = llm.generate(["Once upon a time"], params)[0].outputs[0].token_ids
     assert out["auto"] == out["0"]
 

@@ -1,4 +1,4 @@
-// Small-M matmuls y = x W^T + b for weights kept narrow (bf16, int8 per channel, int4 group-wise).
+// Small-M matmuls y = x W^T + b: fp32 weights, and weights kept narrow (bf16, int8 per channel, int4 group-wise).
 //
 // Decode is memory-bound: each kernel streams the weights once, widens them to fp32 in registers and
 // accumulates in fp32, computing up to MB activation rows per weight load. Every output row is computed with the
@@ -270,6 +270,20 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return y;
 }
 
+at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous(),
+              "llmrt kernels: w must be a contiguous float32 [out, in] matrix");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "llmrt kernels: x ", x.sizes(), " does not match w ", w.sizes());
+  Activations a = activations(x, K);
+  auto [y, sink] = output(x, N);
+  at::Tensor bkeep;
+  sink.bias = bias_ptr(bias, N, bkeep);
+  DotTile<float> tile{a.p, a.ld, w.data_ptr<float>(), K};
+  for_all_tiles(tile, x.size(0), N, 4 * K, sink);
+  return y;
+}
+
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
@@ -351,6 +365,7 @@ std::string isa() {
 #define LLMRT_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 LLMRT_LIBRARY(LLMRT_NS, m) {
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", &linear_bf16);
+  m.def("linear_fp32(Tensor x, Tensor w, Tensor? bias) -> Tensor", &linear_fp32);
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor", &linear_int8);
   m.def("linear_int4(Tensor x, Tensor packed, Tensor sz, int group_size, Tensor? bias) -> Tensor", &linear_int4);
   m.def("dequantize_int4(Tensor packed, Tensor sz, int group_size, Tensor(a!) out) -> ()", &dequantize_int4);

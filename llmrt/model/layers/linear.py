@@ -69,8 +69,8 @@ class LinearMethod:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """Weights in the model dtype. bf16 weights on CPU: steps of up to `kernel_max_rows` rows run llmrt's own
-    kernel (llmrt/kernels: streams the bf16 weights once, fp32 accumulation). Otherwise, on CPUs that emulate
+    """Weights in the model dtype. fp32 and bf16 weights on CPU: steps of up to `kernel_max_rows` rows run llmrt's
+    own kernel (llmrt/kernels: streams the weights once, fp32 accumulation). Otherwise, on CPUs that emulate
     bf16/fp16 matmuls, computes in the compute dtype through one reused upcast buffer, except for steps of at most
     `native_max_rows` rows (memory-bound)."""
 
@@ -83,16 +83,19 @@ class UnquantizedLinearMethod(LinearMethod):
                                            layer.weight_loader)
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
-        if layer.weight.dtype == torch.bfloat16 and layer.weight.is_contiguous():
+        w = layer.weight
+        if w.dtype in (torch.bfloat16, torch.float32) and w.is_contiguous():
             from llmrt.kernels import for_layer
 
-            upcast = layer.compute_dtype not in (None, torch.bfloat16)
-            layer.kernels, layer.kernel_max_rows = for_layer("bf16 upcast" if upcast else "bf16", layer.weight)
+            upcast = w.dtype == torch.bfloat16 and layer.compute_dtype not in (None, torch.bfloat16)
+            fmt = "fp32" if w.dtype == torch.float32 else "bf16 upcast" if upcast else "bf16"
+            layer.kernels, layer.kernel_max_rows = for_layer(fmt, w)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         w, b = layer.weight, layer.bias
         if use_kernel(layer, x):
-            return layer.kernels.linear_bf16(x, w, b)
+            fn = layer.kernels.linear_fp32 if w.dtype == torch.float32 else layer.kernels.linear_bf16
+            return fn(x, w, b)
         if layer.compute_dtype is not None and w.dtype != layer.compute_dtype:
             if x.shape[0] <= layer.native_max_rows:
                 return F.linear(x.to(w.dtype), w, b).to(layer.compute_dtype)
