@@ -256,32 +256,29 @@ struct Int4Tile {
   }
 };
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
-              "llmrt kernels: w must be a contiguous bfloat16 [out, in] matrix");
+// Dense weights stored as WT (fp32, or bf16 as its raw 16 bits): one path, the loads differ.
+template <typename WT>
+at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                        at::ScalarType wtype, const char* what) {
+  TORCH_CHECK(w.scalar_type() == wtype && w.dim() == 2 && w.is_contiguous(),
+              "llmrt kernels: w must be a contiguous ", what, " [out, in] matrix");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "llmrt kernels: x ", x.sizes(), " does not match w ", w.sizes());
   Activations a = activations(x, K);
   auto [y, sink] = output(x, N);
   at::Tensor bkeep;
   sink.bias = bias_ptr(bias, N, bkeep);
-  DotTile<uint16_t> tile{a.p, a.ld, reinterpret_cast<const uint16_t*>(w.data_ptr()), K};
-  for_all_tiles(tile, x.size(0), N, 2 * K, sink);
+  DotTile<WT> tile{a.p, a.ld, reinterpret_cast<const WT*>(w.data_ptr()), K};
+  for_all_tiles(tile, x.size(0), N, int64_t(sizeof(WT)) * K, sink);
   return y;
 }
 
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  return linear_dense<uint16_t>(x, w, bias, at::kBFloat16, "bfloat16");
+}
+
 at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous(),
-              "llmrt kernels: w must be a contiguous float32 [out, in] matrix");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "llmrt kernels: x ", x.sizes(), " does not match w ", w.sizes());
-  Activations a = activations(x, K);
-  auto [y, sink] = output(x, N);
-  at::Tensor bkeep;
-  sink.bias = bias_ptr(bias, N, bkeep);
-  DotTile<float> tile{a.p, a.ld, w.data_ptr<float>(), K};
-  for_all_tiles(tile, x.size(0), N, 4 * K, sink);
-  return y;
+  return linear_dense<float>(x, w, bias, at::kFloat, "float32");
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
