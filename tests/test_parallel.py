@@ -113,6 +113,22 @@ def test_sizes_that_do_not_split_are_refused_with_the_valid_ones(models):
                             speculative_model=str(models["llama3"]))
 
 
+def test_pre_quantized_checkpoints_are_refused_at_tp2(models, tmp_path):
+    """GPTQ/AWQ loaders place whole 4-bit rows: a split is refused at configuration time, naming what works."""
+    import json
+    import shutil
+
+    gptq = tmp_path / "gptq"
+    shutil.copytree(models["llama3"], gptq)
+    cfg = json.loads((gptq / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                                  "sym": True}
+    (gptq / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedError, match="pre-quantized 4-bit checkpoints"):
+        EngineConfig.create(str(gptq), tensor_parallel_size=2)
+    EngineConfig.create(str(gptq), tensor_parallel_size=1)  # one rank takes it
+
+
 def test_more_ranks_than_cores_is_refused(models, monkeypatch):
     import llmrt.executor.distributed as dist_exec
 
