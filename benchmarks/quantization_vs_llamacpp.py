@@ -6,7 +6,8 @@ llama.cpp's): every decoder-layer matrix quantized, token_embd and output left F
 head unquantized, so both sides compute the same head). llmrt serves Q4_0 as int4 with the file's integers
 (exact) and Q8_0 as int8 re-quantized per channel (its defaults for such files). llama.cpp runs through
 llama-cpp-python (n_threads=2) in its own virtualenv, one subprocess per round; the rounds alternate
-llama.cpp/llmrt per file and each figure is the best of the rounds.
+llama.cpp/llmrt per file and each figure is the best of the rounds. llama.cpp is timed by the peers' own
+benchmarks/peers/bench_llamacpp.py (W2 only), so both comparisons measure it the same way.
 
 Run after the peers set-up (/work/shared/peers/README.md):
   PYTHONPATH=. python benchmarks/quantization_vs_llamacpp.py [--rounds 3]
@@ -18,35 +19,26 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 PEERS = Path("/tmp/peers")
+LLAMA_SCRIPT = Path(__file__).parent / "peers" / "bench_llamacpp.py"
 QTYPES = ("Q8_0", "Q4_0")
 
 
-def llama_worker(gguf_path: str, prompt: list[int], new: int) -> dict:
-    """(Runs under llama-cpp-python) one warm-up, then one W2 run: TTFT, TPOT, the first 16 tokens."""
-    import llama_cpp
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=gguf_path, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=2, n_threads_batch=2,
-                seed=0, verbose=False)
-
-    def run(p: list[int], n: int) -> tuple[float, list[float], list[int]]:
-        llm.reset()
-        t0, stamps, toks = time.perf_counter(), [], []
-        for tok in llm.generate(p, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
-            stamps.append(time.perf_counter())
-            toks.append(tok)
-            if len(stamps) == n:
-                break
-        return t0, stamps, toks
-
-    run(prompt[:32], 4)
-    t0, s, toks = run(prompt, new)
-    return {"ttft_ms": (s[0] - t0) * 1e3, "tpot_ms": (s[-1] - s[0]) / (new - 1) * 1e3, "tokens": toks[:16],
-            "version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode()}
+def llama_cpp_w2(llama_python: str, gguf_path: Path, workload: str) -> dict:
+    """One W2 run of llama.cpp through the peers' own script (benchmarks/peers/bench_llamacpp.py, warm-up
+    included) in its virtualenv: TTFT, TPOT, the first 16 tokens, version and system info."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "llama.json"
+        subprocess.run([llama_python, str(LLAMA_SCRIPT), str(gguf_path), workload, "--skip-w1", "--w2-reps", "1",
+                        "--out", str(out)], check=True, capture_output=True, text=True)
+        res = json.loads(out.read_text())
+    w2 = res["W2"]
+    return {"ttft_ms": w2["ttft_ms"], "tpot_ms": w2["tpot_ms"], "tokens": w2["first16"],
+            "version": res["version"], "system_info": res["system_info"]}
 
 
 def quantize_gguf(src: Path, qname: str, out: Path) -> None:
@@ -119,8 +111,7 @@ def main() -> None:
     loads = [load_average()]
     for r in range(args.rounds):
         for q in QTYPES:
-            cmd = [args.llama_python, __file__, "--llama-worker", str(files[q]), args.workload]
-            res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            res = llama_cpp_w2(args.llama_python, files[q], args.workload)
             runs[f"llama.cpp {q}"].append(res)
             llmrt_w2(llms[q], prompt[:32], 4)  # warm-up, as llama.cpp's
             runs[f"llmrt {q}"].append(llmrt_w2(llms[q], prompt, new))
@@ -179,8 +170,4 @@ def write_markdown(result: dict) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--llama-worker":
-        wl = json.loads(Path(sys.argv[3]).read_text())["W2"]
-        print(json.dumps(llama_worker(sys.argv[2], wl["prompt"], wl["max_new_tokens"])))
-    else:
-        main()
+    main()
