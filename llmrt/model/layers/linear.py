@@ -64,6 +64,14 @@ class LinearMethod:
         """y = x W^T + b with the layer's parameters."""
         raise NotImplementedError
 
+    @staticmethod
+    def create_bias(layer: "Linear", out_features: int, bias: bool) -> None:
+        """The layer's bias (model dtype, the layer's own loader) or None: the same for every weight format."""
+        layer.bias = None
+        if bias:
+            layer.bias = set_weight_loader(nn.Parameter(torch.empty(out_features), requires_grad=False),
+                                           layer.weight_loader)
+
     def process_weights_after_loading(self, layer: "Linear") -> None:
         """Repack or quantize once every tensor is loaded (nothing for unquantized weights)."""
 
@@ -77,10 +85,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer: "Linear", in_features: int, out_features: int, bias: bool) -> None:
         layer.weight = set_weight_loader(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False),
                                          layer.weight_loader)
-        layer.bias = None
-        if bias:
-            layer.bias = set_weight_loader(nn.Parameter(torch.empty(out_features), requires_grad=False),
-                                           layer.weight_loader)
+        self.create_bias(layer, out_features, bias)
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         w = layer.weight

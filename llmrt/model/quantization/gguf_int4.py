@@ -51,10 +51,7 @@ class GgufInt4Method(Int4LinearMethod):
             p = nn.Parameter(torch.zeros(out_features, k // GGUF_GROUP), requires_grad=False)
             p.checkpoint_optional = True  # filled by the weight's loader, not by a tensor of its own
             setattr(layer, name, p)
-        layer.bias = None
-        if bias:
-            layer.bias = set_weight_loader(nn.Parameter(torch.empty(out_features), requires_grad=False),
-                                           layer.weight_loader)
+        self.create_bias(layer, out_features, bias)
 
     @staticmethod
     def _loader(layer: "Linear"):

@@ -147,10 +147,7 @@ class CheckpointInt4Method(Int4LinearMethod):
             g_idx = nn.Parameter(torch.empty(in_features, dtype=torch.int32), requires_grad=False)
             g_idx.checkpoint_optional = True  # each projection's copy is checked when present, none is kept
             layer.g_idx = set_weight_loader(g_idx, self._check_g_idx(layer))
-        layer.bias = None
-        if bias:
-            layer.bias = set_weight_loader(nn.Parameter(torch.empty(out_features), requires_grad=False),
-                                           layer.weight_loader)
+        self.create_bias(layer, out_features, bias)
 
     @staticmethod
     def _loader(layer: "Linear"):
