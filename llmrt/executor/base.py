@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -10,24 +10,28 @@ from llmrt.config import EngineConfig
 from llmrt.engine.memory_plan import MemoryPlan
 from llmrt.engine.step import ModelRunnerOutput, SchedulerOutput
 
+if TYPE_CHECKING:
+    from llmrt.worker.worker import Worker
+
 
 class Executor(ABC):
     """Runs the scheduler's steps on the workers; the core sees only this interface."""
 
     name: ClassVar[str]
+    worker: "Worker"  # rank 0's worker: every executor runs it in the engine core's own process
 
     def __init__(self, config: EngineConfig):
         self.config = config
 
     @property
-    @abstractmethod
     def device(self) -> torch.device:
         """The device of rank 0 (where sampling happens and seeded generators live)."""
+        return self.worker.device
 
     @property
-    @abstractmethod
     def vocab_size(self) -> int:
         """The model's vocabulary (rows of its LM head)."""
+        return self.worker.model_runner.vocab_size
 
     @abstractmethod
     def initialize_cache(self) -> MemoryPlan:

@@ -76,14 +76,6 @@ class DistributedExecutor(Executor):
     def _check_alive(self) -> None:
         """Raise EngineDeadError when another rank is gone."""
 
-    @property
-    def device(self) -> torch.device:
-        return self.worker.device
-
-    @property
-    def vocab_size(self) -> int:
-        return self.worker.model_runner.vocab_size
-
     def initialize_cache(self) -> MemoryPlan:
         self._send("init_cache", None)
         plan = self.worker.initialize_cache()

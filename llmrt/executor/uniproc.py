@@ -1,8 +1,6 @@
 """UniProcExecutor: one worker in the engine core's own process."""
 from __future__ import annotations
 
-import torch
-
 from llmrt.config import EngineConfig
 from llmrt.engine.memory_plan import MemoryPlan
 from llmrt.engine.step import ModelRunnerOutput, SchedulerOutput
@@ -18,14 +16,6 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.worker = Worker(config, rank=0)
-
-    @property
-    def device(self) -> torch.device:
-        return self.worker.device
-
-    @property
-    def vocab_size(self) -> int:
-        return self.worker.model_runner.vocab_size
 
     def initialize_cache(self) -> MemoryPlan:
         return self.worker.initialize_cache()
