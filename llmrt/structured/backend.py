@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -19,10 +20,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@functools.cache
 def _xgr() -> Any:
     """xgrammar, imported on first use: it pulls in transformers and torch._dynamo (seconds at start-up)
-    that a request without a constraint never needs."""
+    that a request without a constraint never needs. Cached: the bitmask calls of every decode step use it."""
     return importlib.import_module("xgrammar")
+
 
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[17:52:06] /project/cpp/x.cc:94: " on compiler errors
 _CACHE_LIMIT = 256  # compiled grammars kept; the oldest goes first

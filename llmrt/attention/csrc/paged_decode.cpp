@@ -24,13 +24,13 @@ void decode_kernel(const float* q, const KV* k_cache, const KV* v_cache, const i
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * dim;  // elements per cached token
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(group * dim);
+    std::vector<float> scores, acc(group * dim), inv(group);  // per thread, reused across its work items
     for (int64_t work = begin; work < end; ++work) {
       const int64_t s = work / kv_heads, h = work % kv_heads;
       const int64_t len = lens[s];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
-      scores.assign(group * n, 0.f);
+      scores.resize(group * n);  // every entry is written below before it is read
       const float* qs = q + (s * heads + h * group) * dim;
       const int64_t* table = tables + s * table_width;
       for (int64_t t = 0; t < n; ++t) {
@@ -45,7 +45,6 @@ void decode_kernel(const float* q, const KV* k_cache, const KV* v_cache, const i
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> inv(group);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * n;
         float mx = -std::numeric_limits<float>::infinity();

@@ -39,11 +39,11 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         del layer.weight
         layer.qweight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-        # The packed kernel wants scales in its activation dtype (bf16); kept beside the float32 ones (N values).
-        layer.weight_scale_bf16 = nn.Parameter(scale.bfloat16(), requires_grad=False)
         from llmrt.kernels import for_layer
 
         layer.kernels, layer.kernel_max_rows = for_layer("int8", q)
+        if layer.kernels is None:  # torch's packed kernel wants scales in its activation dtype (bf16)
+            layer.weight_scale_bf16 = nn.Parameter(scale.bfloat16(), requires_grad=False)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype
@@ -51,7 +51,8 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         if use_kernel(layer, x):  # llmrt's kernel: int8 rows widened in registers, fp32 accumulation
             return layer.kernels.linear_int8(x, layer.qweight, layer.weight_scale, b)
         # torch 2.13's kernel crashes on multi-row inputs whose K is not a multiple of 32 (seen with K=172).
-        if x.device.type == "cpu" and x.shape[0] <= self.packed_max_rows and layer.in_features % 32 == 0:
+        if (layer.kernels is None and x.device.type == "cpu" and x.shape[0] <= self.packed_max_rows
+                and layer.in_features % 32 == 0):
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), layer.qweight, layer.weight_scale_bf16)
             y = y.to(out_dtype)
             return y + b.to(out_dtype) if b is not None else y
@@ -72,7 +73,10 @@ class Int8Config(QuantizationConfig):
         return Int8LinearMethod(self.packed_max_rows)
 
     def weight_bytes(self, out_features: int, in_features: int) -> int:
-        return out_features * in_features + out_features * (4 + 2)  # int8 values, float32 + bf16 scales
+        from llmrt.kernels import kernels
+
+        # int8 values and fp32 scales, plus bf16 copies of the scales where torch's packed kernel runs instead.
+        return out_features * in_features + out_features * (4 if kernels() is not None else 4 + 2)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "Int8Config":
