@@ -2,11 +2,11 @@
 each constrained sequence its own GrammarMatcher, which fills that sequence's row of the step's token bitmask."""
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import re
 import threading
-import functools
-import importlib
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
