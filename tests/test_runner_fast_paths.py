@@ -1,10 +1,10 @@
-"""The model runner's greedy fast path (argmax without the sampler) gives the sampler's tokens."""
+"""The sampler's greedy fast path (argmax without the per-step metadata) gives the full sampler's tokens."""
 from __future__ import annotations
 
 import random
 
 from llmrt import LLM, SamplingParams
-from llmrt.worker import model_runner
+from llmrt.model.layers.sampler import argmax_only
 
 
 def test_plain_greedy_skips_the_sampler_and_gives_its_tokens(checkpoints, monkeypatch):
@@ -24,17 +24,10 @@ def test_plain_greedy_skips_the_sampler_and_gives_its_tokens(checkpoints, monkey
 
 
 def test_what_keeps_the_sampler():
-    class Seq:
-        def __init__(self, **kw):
-            self.params = SamplingParams(temperature=0, **kw)
-            self.grammar = None
-            self.output_token_ids = []
-
-    class Item:
-        def __init__(self, **kw):
-            self.seq = Seq(**kw)
-
-    assert model_runner._plain_greedy(Item())
+    assert argmax_only(SamplingParams(temperature=0), 0, False)
     for kw in ({"logprobs": 1}, {"logit_bias": {5: 1.0}}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5},
                {"frequency_penalty": 0.5}, {"min_tokens": 3}):
-        assert not model_runner._plain_greedy(Item(**kw)), kw
+        assert not argmax_only(SamplingParams(temperature=0, **kw), 0, False), kw
+    assert argmax_only(SamplingParams(temperature=0, min_tokens=3), 3, False)  # min_tokens reached: no block
+    assert not argmax_only(SamplingParams(temperature=0), 0, True)  # a grammar
+    assert not argmax_only(SamplingParams(temperature=0.7), 0, False)

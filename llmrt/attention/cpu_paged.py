@@ -70,6 +70,10 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             return TorchAttentionBackend._decode(layer, q, meta, block_size)
         kernel = load_kernel()
         window = layer.sliding_window or 0
-        out = kernel(q.float().contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                     layer.scale, window)
-        return out.to(q.dtype)
+        if q.dtype not in (torch.float32, torch.bfloat16):
+            q32 = q.float().contiguous()
+            return kernel(q32, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, layer.scale,
+                          window).to(q.dtype)
+        # bf16 queries are widened and the output rounded inside the kernel: no float copies per layer per step.
+        return kernel(q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                      layer.scale, window)

@@ -113,8 +113,10 @@ class TorchAttentionBackend(AttentionBackend):
             k_cache.view(-1, heads, stored).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
             v_cache.view(-1, heads, stored).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
-        out = torch.empty_like(q)
         d = meta.num_decodes
+        if d and not meta.prefills:  # a decode-only step: the kernel's output is the whole result, no copy
+            return self._decode(layer, q, meta, block_size)
+        out = torch.empty_like(q)
         if d:
             out[:d] = self._decode(layer, q[:d], meta, block_size)
         for i, span in enumerate(meta.prefills):

@@ -1,4 +1,5 @@
-"""`python -m llmrt.kernels`: build (or find cached) every kernel build this CPU can run, linear and attention;
+"""`python -m llmrt.kernels`: build (or find cached) every kernel build this CPU can run, linear, attention and
+the fused layer ops;
 `make install` runs it."""
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ def main() -> int:
         failed += 1
     else:
         print("llmrt attention kernel (cpu_paged): ready")
+    from llmrt.model.layers.fused import fused_ops
+
+    fused = fused_ops()  # the build this CPU uses; its warning says why where it fails
+    print(f"llmrt fused layer ops: {'ready (' + fused.isa + ')' if fused else 'not built; torch ops will be used'}")
     isas = [isa for isa, needs in ISA_NEEDS.items() if set(needs) <= cpu_flags()]
     if not isas:
         print("llmrt kernels: this CPU has no AVX2+FMA; torch's paths will be used")

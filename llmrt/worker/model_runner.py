@@ -110,16 +110,11 @@ class ModelRunner:
         logprobs: dict[int, list[dict[int, float]]] = {}
         want_logprobs = False
         if batch.sample_items:
-            if all(_plain_greedy(item) for item in batch.sample_items):
-                # Argmax is then the whole sampler: no per-step metadata tensors, no float copy of the logits.
-                flat = logits[:batch.num_sample_rows].argmax(dim=-1).tolist()
-                sampled, lps, at = [], None, 0
-                for item in batch.sample_items:
-                    sampled.append(flat[at:at + item.num_samples])
-                    at += item.num_samples
-            else:
-                result = self.sampler(logits[:batch.num_sample_rows], self._sampling_metadata(batch.sample_items))
-                sampled, lps = self._collect(batch.sample_items, result)
+            rows = [(i.seq.params, len(i.seq.output_token_ids), i.seq.grammar is not None)
+                    for i in batch.sample_items for _ in range(i.num_samples)]
+            result = self.sampler.sample(logits[:batch.num_sample_rows], rows,
+                                         lambda: self._sampling_metadata(batch.sample_items))
+            sampled, lps = self._collect(batch.sample_items, result)
             tokens.update((id(i), t) for i, t in zip(batch.sample_items, sampled))
             if lps is not None:
                 want_logprobs = True
@@ -280,14 +275,6 @@ class ModelRunner:
                 logprobs.append(group)
             row += item.num_samples
         return sampled, logprobs if want_logprobs else None
-
-
-def _plain_greedy(item: ScheduledSequence) -> bool:
-    """Greedy with nothing that changes logits before the argmax or asks for more than the token."""
-    p = item.seq.params
-    return (p.greedy and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and item.seq.grammar is None
-            and len(item.seq.output_token_ids) >= p.min_tokens)
 
 
 def _prompt_logprob_rows(item: ScheduledSequence) -> int:

@@ -30,9 +30,13 @@ def tiled_apply(layer: "Linear", x: torch.Tensor, tile: int) -> torch.Tensor:
 
 
 def make_batch_invariant(model: "nn.Module", tile: int = ROW_TILE) -> int:
-    """Switch every Linear of `model` to fixed-size row tiles; how many were switched."""
+    """Switch every Linear of `model` to fixed-size row tiles, and its norms, rotary and activations to torch's
+    ops (the fused CPU kernels are row-independent too, but torch's ops are the deterministic reference);
+    how many Linears were switched."""
+    from llmrt.model.layers.fused import set_fused
     from llmrt.model.layers.linear import Linear
 
+    set_fused(model, False)
     count = 0
     for module in model.modules():
         if isinstance(module, Linear):

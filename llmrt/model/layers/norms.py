@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmrt.model.layers.fused import ops_for
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 like the HF reference."""
@@ -15,9 +17,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.fused = True  # the fused CPU kernel where it loads (llmrt/model/layers/fused.py)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        """Normalize x (after adding residual, when given, and then also return the sum)."""
+        """Normalize x (after adding residual, when given, and then also return the sum).
+
+        With a residual, x and residual may be overwritten (the fused kernel updates both in place)."""
+        ops = ops_for(x, self.fused)
+        if ops is not None and x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype:
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            if residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1:
+                ops.add_rms_norm_(x, residual, self.weight, self.eps)
+                return x, residual
         if residual is not None:
             x = x + residual
             residual = x

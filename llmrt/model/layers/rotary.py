@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from llmrt.errors import UnsupportedError
+from llmrt.model.layers.fused import ops_for
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -52,8 +53,15 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv.float())
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.fused = True  # the fused CPU kernel where it loads (llmrt/model/layers/fused.py)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated to their positions; the fused kernel rotates them in place (same values)."""
+        ops = ops_for(q, self.fused)
+        if ops is not None and k.dtype == q.dtype and q.stride(-1) == 1 and k.stride(-1) == 1 \
+                and positions.dtype == torch.long and positions.is_contiguous() and self.cos.dtype == torch.float32:
+            ops.rotary_(q, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -152,8 +152,28 @@ class SamplerOutput:
     logprob_token_ids: Optional[torch.Tensor]  # [S, 1+K] int64 matching ids
 
 
+def argmax_only(params: SamplingParams, num_output_tokens: int, constrained: bool) -> bool:
+    """Whether a row's token is the plain argmax of its logits and nothing more is asked: greedy, no logprobs,
+    nothing that changes logits first (logit_bias, penalties, a min_tokens block still pending, a grammar).
+    The same rules as SamplingMetadata.build's processors and Sampler.forward's paths."""
+    p = params
+    return (p.greedy and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and not constrained
+            and num_output_tokens >= p.min_tokens)
+
+
 class Sampler(torch.nn.Module):
     """Turns one step's logits into next tokens, row by row per its SamplingParams, all rows at once."""
+
+    def sample(self, logits: torch.Tensor, rows: list[tuple[SamplingParams, int, bool]],
+               build_metadata: Callable[[], SamplingMetadata]) -> SamplerOutput:
+        """Sample one token per row; `rows` holds each row's (params, output tokens so far, has a grammar).
+
+        When every row is `argmax_only`, the argmax is the whole sampler: the per-step metadata tensors are not
+        built and the logits not copied to float. Otherwise `forward` with `build_metadata()`."""
+        if all(argmax_only(*row) for row in rows):
+            return SamplerOutput(logits.argmax(dim=-1), None, None)
+        return self(logits, build_metadata())
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` [S, V]; the caller's tensor is never modified."""

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from llmrt.model.layers.activation import gated, get_activation
+from llmrt.model.layers.activation import GatedActivation
 from llmrt.model.layers.attention import Attention
 from llmrt.distributed.parallel_state import tp_shard
 from llmrt.model.layers.embedding import Embedding, vocab_shard
@@ -115,10 +115,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(a.hidden, [a.intermediate, a.intermediate], a.mlp_bias, dtype, quant,
                                    parallel="column")
         self.down_proj = Linear(a.intermediate, [a.hidden], a.mlp_bias, dtype, quant, parallel="row")
-        self.act = get_activation(a.act)
+        self.act = GatedActivation(a.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated(self.act, self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

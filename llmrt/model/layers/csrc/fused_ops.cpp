@@ -1,0 +1,236 @@
+// Fused CPU layer ops: residual-add + RMSNorm, rotary embedding in place on q/k, SiLU-and-mul.
+// Each replaces 4-10 small torch ops (and their temporaries) per call with one pass over the rows; fp32 or bf16
+// tensors, computed in fp32 like the torch path in llmrt/model/layers. Plain loops the compiler vectorizes for the
+// ISA flags of the build (llmrt/model/layers/fused.py); built with -ffp-contract=off so that a*b - c*d rounds each
+// product as torch's separate ops do (rotary is then bitwise equal to the torch path).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifndef LLMRT_FUSED_NS
+#error "LLMRT_FUSED_NS (the torch op namespace) must be defined"
+#endif
+
+namespace {
+
+// bf16 <-> fp32 as c10::BFloat16 does it (round to nearest even, NaN -> 0x7FC0), written so that loops vectorize.
+inline float load(float x) { return x; }
+inline float load(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store(float* p, float f) { *p = f; }
+inline void store(uint16_t* p, float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  *p = uint16_t((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+}
+// The value a T store would keep (fp32: itself; bf16: rounded), for math that torch does in T between ops.
+inline float round_to(float f, const float*) { return f; }
+inline float round_to(float f, const uint16_t*) {
+  uint16_t b;
+  store(&b, f);
+  return load(b);
+}
+
+// exp for the SiLU: Cephes' single-precision polynomial (about 1 ulp), written branch-free so the loop vectorizes
+// (glibc's vector expf is only offered under -ffast-math, which this file avoids).
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// Rows per parallel task: about 16K elements, so a decode step's rows stay on one thread.
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+
+template <typename T>
+void rms_rows(const T* x, int64_t x_stride, T* out, int64_t out_stride, T* residual, int64_t res_stride,
+              const T* w, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      float* b = buf.data();
+      if (residual != nullptr) {  // the sum is rounded to T (torch adds in T), kept as the new residual
+        T* rr = residual + r * res_stride;
+        for (int64_t d = 0; d < dim; ++d) {
+          const float s = round_to(load(xr[d]) + load(rr[d]), xr);
+          b[d] = s;
+          store(rr + d, s);
+        }
+      } else {
+        for (int64_t d = 0; d < dim; ++d) b[d] = load(xr[d]);
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < dim; ++d) ss += b[d] * b[d];
+      const float inv = 1.f / std::sqrt(ss / float(dim) + eps);
+      T* o = out + r * out_stride;
+      // As torch: fp32 weight * (x * inv); bf16 rounds x * inv to bf16, then weight * it, rounded again.
+      for (int64_t d = 0; d < dim; ++d) store(o + d, load(w[d]) * round_to(b[d] * inv, xr));
+    }
+  });
+}
+
+template <typename T>
+void rotary_rows(T* x, int64_t tokens, int64_t heads, int64_t tok_stride, int64_t head_stride, int64_t half,
+                 const int64_t* pos, const float* cos, const float* sin) {
+  at::parallel_for(0, tokens, grain(heads * half * 2), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + pos[t] * half;
+      const float* s = sin + pos[t] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x1 = x + t * tok_stride + h * head_stride;
+        T* x2 = x1 + half;
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = load(x1[d]), b = load(x2[d]);
+          const float lo = a * c[d] - b * s[d];
+          const float hi = b * c[d] + a * s[d];
+          store(x1 + d, lo);
+          store(x2 + d, hi);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t inner) {
+  at::parallel_for(0, rows, grain(inner * 2), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = x + r * x_stride;
+      const T* u = g + inner;
+      T* o = out + r * inner;
+      // As torch: silu(gate) in T (rounded for bf16), then * up in T.
+      for (int64_t d = 0; d < inner; ++d) {
+        const float a = load(g[d]);
+        const float act = round_to(a / (1.f + exp_approx(-a)), g);
+        store(o + d, act * load(u[d]));
+      }
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensor expected");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": 2-d with contiguous rows expected");
+}
+
+template <typename F>
+void dispatch(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kFloat) {
+    f(static_cast<float*>(nullptr));
+  } else {
+    f(static_cast<uint16_t*>(nullptr));
+  }
+}
+
+// x [rows, dim] -> RMSNorm(x) * weight, a new tensor.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1),
+              "weight: contiguous [dim] of x's dtype");
+  auto out = at::empty(x.sizes(), x.options());
+  dispatch(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_rows<T>(static_cast<const T*>(x.data_ptr()), x.stride(0), static_cast<T*>(out.data_ptr()), out.stride(0),
+                nullptr, 0, static_cast<const T*>(weight.data_ptr()), x.size(0), x.size(1), float(eps));
+  });
+  return out;
+}
+
+// In place: residual <- x + residual; x <- RMSNorm(residual) * weight (vLLM's fused_add_rms_norm).
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(), "x and residual differ");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1),
+              "weight: contiguous [dim] of x's dtype");
+  dispatch(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* xp = static_cast<T*>(x.data_ptr());
+    rms_rows<T>(xp, x.stride(0), xp, x.stride(0), static_cast<T*>(residual.data_ptr()), residual.stride(0),
+                static_cast<const T*>(weight.data_ptr()), x.size(0), x.size(1), float(eps));
+  });
+}
+
+// In place on q [tokens, heads, D] and k [tokens, kv_heads, D] (views with contiguous head_dim): rotate-half RoPE
+// at `positions` from fp32 tables cos/sin [max_positions, D / 2].
+void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 1,
+              "positions: contiguous int64 [tokens]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2,
+              "cos/sin: contiguous float32 [max_positions, D/2]");
+  const int64_t tokens = positions.size(0), half = cos.size(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " outside the rotary table (",
+                cos.size(0), " positions)");
+  }
+  for (at::Tensor* x : {&q, &k}) {
+    TORCH_CHECK(x->device().is_cpu() && x->dim() == 3 && x->size(0) == tokens && x->size(2) == 2 * half &&
+                    x->stride(2) == 1, "q/k: [tokens, heads, 2 * (D/2)] with contiguous head_dim");
+    TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16, "q/k: float32 or bfloat16");
+    dispatch(*x, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      rotary_rows<T>(static_cast<T*>(x->data_ptr()), tokens, x->size(1), x->stride(0), x->stride(1), half, pos,
+                     cos.data_ptr<float>(), sin.data_ptr<float>());
+    });
+  }
+}
+
+// gate_up [rows, 2 * I] -> silu(gate) * up [rows, I].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: even last dimension expected");
+  const int64_t inner = gate_up.size(1) / 2;
+  auto out = at::empty({gate_up.size(0), inner}, gate_up.options());
+  dispatch(gate_up, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    silu_mul_rows<T>(static_cast<const T*>(gate_up.data_ptr()), gate_up.stride(0), static_cast<T*>(out.data_ptr()),
+                     gate_up.size(0), inner);
+  });
+  return out;
+}
+
+}  // namespace
+
+#define LLMRT_FUSED_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define LLMRT_FUSED_IMPL(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
+LLMRT_FUSED_LIBRARY(LLMRT_FUSED_NS, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+LLMRT_FUSED_IMPL(LLMRT_FUSED_NS, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("rotary_", &rotary_);
+  m.impl("silu_mul", &silu_mul);
+}
