@@ -47,6 +47,24 @@ def test_kernel_matches_the_torch_backend(kv_dtype, window):
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+def test_kernel_reads_bf16_and_strided_queries_as_their_float_copies():
+    # The decode path hands the kernel q as a bf16 view into the qkv projection (tokens strided): the result must
+    # be the float-copy path's, rounded once to bf16.
+    g = torch.Generator().manual_seed(3)
+    n, heads, kv_heads, dim, bs, blocks = 3, 6, 2, 16, 4, 8
+    k_cache = torch.randn(blocks, bs, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, bs, kv_heads, dim, generator=g).to(torch.bfloat16)
+    tables = torch.tensor([[3, 1], [0, 5], [7, 2]])
+    lens = torch.tensor([5, 8, 2])
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).to(torch.bfloat16)
+    q = qkv[:, :heads * dim].view(n, heads, dim)
+    assert not q.is_contiguous()
+    kernel = load_kernel()
+    got = kernel(q, k_cache, v_cache, tables, lens, dim ** -0.5, 0)
+    want = kernel(q.float().contiguous(), k_cache, v_cache, tables, lens, dim ** -0.5, 0).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=1)
 
 

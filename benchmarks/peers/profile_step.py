@@ -2,9 +2,11 @@
 
 Runs the offline LLM on the peers' model, then profiles `steps` engine steps with torch.profiler, with ranges
 around the parts: scheduler, input preparation (runner._prepare), model forward, attention backend, sampler,
-output processing. Reported per step: GEMMs (aten::linear, inclusive), attention (backend forward, of which KV
+output processing. Reported per step: GEMMs (aten::linear, inclusive, plus llmrt's linear kernels), the fused
+layer ops (llmrt_fused_*), attention (backend forward, of which KV
 writes = index_copy_ and KV gathers = index_select), sampling, input preparation, and the rest of the step
-(Python and scheduler overhead, norms/rotary/activations), plus the count of tensor allocations (aten::empty*).
+(Python and scheduler overhead, norms/rotary/activations), plus the counts of tensor allocations (aten::empty*) and
+of profiled ops (every aten::/llmrt* call, nested ones included).
 The profiler's own overhead inflates the Python share; compare before/after runs of this script only.
 
 usage: python profile_step.py MODEL_DIR WORKLOAD_JSON [--dtype float32] [--steps 8] [--attention-backend auto]
@@ -51,7 +53,12 @@ def breakdown(llm: LLM, steps: int) -> dict:
     def ms(key: str) -> float:
         return ev[key].cpu_time_total / 1e3 / steps if key in ev else 0.0
     allocs = sum(e.count for k, e in ev.items() if k.startswith("aten::empty")) / steps
-    parts = {"step_wall_ms": wall * 1e3 / steps, "profiled_step_ms": ms("#step"), "gemm_ms": ms("aten::linear"),
+    # llmrt's own GEMV kernels (torch.ops.llmrt_<isa>.linear_*) are called directly, not through aten::linear.
+    gemm = ms("aten::linear") + sum(ms(k) for k in ev if k.startswith("llmrt_") and "::linear_" in k)
+    fused = sum(ms(k) for k in ev if k.startswith("llmrt_fused"))
+    ops = sum(e.count for k, e in ev.items() if "::" in k and not k.startswith("#")) / steps
+    parts = {"step_wall_ms": wall * 1e3 / steps, "profiled_step_ms": ms("#step"), "gemm_ms": gemm,
+             "fused_ops_ms": fused, "ops_per_step": ops,
              "attention_ms": ms("#attention"), "kv_write_ms": ms("aten::index_copy_"),
              "kv_gather_ms": ms("aten::index_select"), "sdpa_ms": ms("aten::scaled_dot_product_attention"),
              "sampler_ms": ms("#sampler"), "prepare_inputs_ms": ms("#prepare"), "forward_ms": ms("#forward"),

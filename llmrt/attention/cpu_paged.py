@@ -74,6 +74,8 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             q32 = q.float().contiguous()
             return kernel(q32, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, layer.scale,
                           window).to(q.dtype)
-        # bf16 queries are widened and the output rounded inside the kernel: no float copies per layer per step.
-        return kernel(q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                      layer.scale, window)
+        # No copies per layer per step: the kernel reads q where the qkv projection left it (tokens strided) and
+        # widens bf16 queries / rounds bf16 outputs itself.
+        if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
+            q = q.contiguous()
+        return kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, layer.scale, window)

@@ -24,7 +24,7 @@ inline void to_out(c10::BFloat16* o, float x) { *o = c10::BFloat16(x); }
 template <typename KV, typename Q>
 void decode_kernel(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64_t* tables, const int64_t* lens,
                    Q* out, int64_t num_seqs, int64_t table_width, int64_t block_size, int64_t heads,
-                   int64_t kv_heads, int64_t dim, double scale, int64_t window) {
+                   int64_t kv_heads, int64_t dim, double scale, int64_t window, int64_t q_stride) {
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * dim;  // elements per cached token
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -35,7 +35,7 @@ void decode_kernel(const Q* q_in, const KV* k_cache, const KV* v_cache, const in
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       scores.resize(group * n);  // every entry is written below before it is read
-      const Q* qin = q_in + (s * heads + h * group) * dim;
+      const Q* qin = q_in + s * q_stride + h * group * dim;
       for (int64_t i = 0; i < group * dim; ++i) qf[i] = to_float(qin[i]);
       const float* qs = qf.data();
       const int64_t* table = tables + s * table_width;
@@ -90,23 +90,24 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   if (k_cache.scalar_type() == at::kFloat) {
     decode_kernel<float, Q>(qp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
                             lens.data_ptr<int64_t>(), op, n, tables.size(1), block_size, heads, kv_heads, dim, scale,
-                            window);
+                            window, q.stride(0));
   } else {
     TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16, "caches: float32 or bfloat16");
     decode_kernel<c10::BFloat16, Q>(qp, k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
                                     tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), op, n, tables.size(1),
-                                    block_size, heads, kv_heads, dim, scale, window);
+                                    block_size, heads, kv_heads, dim, scale, window, q.stride(0));
   }
 }
 
-// q [num_seqs, heads, dim] float32 or bfloat16 (the output has q's dtype; the math is fp32 either way);
+// q [num_seqs, heads, dim] float32 or bfloat16 (the output, contiguous, has q's dtype; the math is fp32);
 // k_cache, v_cache [blocks, block_size, kv_heads, dim] float32 or bfloat16;
 // block_tables [num_seqs, width] int64; seq_lens [num_seqs] int64 (context incl. the new token, already cached).
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() &&
+  // q may be a view into the step's fused qkv projection: each token's heads contiguous, tokens strided.
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "q: contiguous float32 or bfloat16 [n, H, D]");
+              "q: float32 or bfloat16 [n, H, D] with contiguous heads per token");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches: contiguous 4-d");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables: int64");
@@ -114,7 +115,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int64_t heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "head layout mismatch");
-  auto out = at::empty_like(q);
+  auto out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat) {
     run<float>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, kv_heads, scale, window);
   } else {

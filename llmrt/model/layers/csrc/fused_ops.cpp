@@ -62,8 +62,10 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
-// Rows per parallel task: about 16K elements, so a decode step's rows stay on one thread.
-inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+// Rows per parallel task: about 256K elements (~50-100 us of work). A decode step of up to ~64 sequences then stays
+// on the calling thread: a parallel region costs more than such work on an idle machine, and on a loaded one each
+// region can wait milliseconds for a descheduled OpenMP thread (docs/performance.md).
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 262144 / std::max<int64_t>(1, row_elems)); }
 
 template <typename T>
 void rms_rows(const T* x, int64_t x_stride, T* out, int64_t out_stride, T* residual, int64_t res_stride,
