@@ -27,8 +27,10 @@ def test_plan_matches_the_engine_within_five_percent(checkpoints, arch, caplog):
     assert "max concurrent sequences by context" in caplog.text
     hf = json.loads((checkpoints[arch] / "config.json").read_text())
     # The device `plan` is asked about is exactly as large as what the engine allocated in all.
+    runner = llm.engine.executor.worker.model_runner
     plan = plan_memory(hf, memory_bytes=engine.total_bytes, dtype=torch.float32, block_size=4,
-                       max_num_batched_tokens=64, max_num_seqs=16, max_model_len=llm.config.model.max_model_len)
+                       max_num_batched_tokens=64, max_num_seqs=16, max_model_len=llm.config.model.max_model_len,
+                       fused=runner.fused_layers)
     assert plan.weights_bytes == engine.weights_bytes  # counted on the same model classes, built on meta
     assert plan.kv_bytes_per_token == engine.kv_bytes_per_token
     # On CPU the engine reports the estimate (no start-up forward pass); the estimate must hold against a

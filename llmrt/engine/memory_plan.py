@@ -92,25 +92,30 @@ def num_kv_blocks(budget_bytes: int, kv_bytes_per_token: int, block_size: int) -
 
 
 def estimate_activation_peak(hf_config: dict[str, Any], num_tokens: int, num_logit_rows: int,
-                             compute_dtype: torch.dtype, kv_heads: int, head_dim: int, tp: int = 1) -> int:
+                             compute_dtype: torch.dtype, kv_heads: int, head_dim: int, tp: int = 1,
+                             fused: bool = False) -> int:
     """Estimated peak bytes of one forward pass of `num_tokens` tokens plus logits for `num_logit_rows` rows.
 
     `kv_heads` and the result are per tensor-parallel rank. Per token, the residual stream and its normed copy (2 x hidden) stay alive while a layer runs; the MLP adds
     the fused gate/up output, the activation and the product (gated: 5 x intermediate; plain GELU:
     3 x intermediate), attention the fused qkv output, rotated/normed q and k, the attention output (4 x q
     + 2 x kv). The peak is the larger phase. The logits step keeps the final hidden states plus float32 logits
-    and their softmax. Measured against the engine's own tracking on CPU: within ~10% (tests/test_memory_plan).
+    and their softmax. With `fused` (the fused CPU layer ops, llmrt/model/layers/fused.py) rotary works in place
+    (no rotated copies of q and k) and SiLU-and-mul writes only the product (3 x intermediate + 3 x hidden).
+    Measured against the engine's own tracking on CPU: within ~10% (tests/test_memory_plan).
     """
     c = hf_config
     hidden = c.get("hidden_size") or c["n_embd"]
     heads = c.get("num_attention_heads") or c["n_head"]
     gated = "n_embd" not in c  # the GPT-2 family has a plain MLP
+    fused = fused and gated  # and none of the fused ops (LayerNorm, learned positions, GELU)
     inter = c.get("intermediate_size") or c.get("n_inner") or 4 * hidden
     q = heads * head_dim // tp
     kv = kv_heads * head_dim
     inter //= tp
-    mlp = 2 * hidden + (5 if gated else 3) * inter
-    attn = 2 * hidden + (q + 2 * kv) + 4 * q + 2 * kv
+    # Fused: gate_up and the product (3 x intermediate), with the down projection's output beside the residual.
+    mlp = 3 * hidden + 3 * inter if fused else 2 * hidden + (5 if gated else 3) * inter
+    attn = 2 * hidden + (q + 2 * kv) + (3 * q + kv if fused else 4 * q + 2 * kv)
     elem = torch.empty((), dtype=compute_dtype).element_size()
     layer_peak = num_tokens * max(mlp, attn) * elem
     logits_peak = num_tokens * hidden * elem + num_logit_rows * (c["vocab_size"] // tp) * 4 * 2
@@ -122,10 +127,11 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: Optional[int] = None,
                 utilization: float = 1.0, contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
                 quantization: Optional[str] = None, quant_group_size: int = 32,
-                kv_cache_dtype: str = "auto", pp: int = 1) -> MemoryPlan:
+                kv_cache_dtype: str = "auto", pp: int = 1, fused: bool = False) -> MemoryPlan:
     """The per-device memory split for a model config on a device of `memory_bytes`, without any weights.
     With `pp` pipeline stages a rank holds about 1/pp of the layers (an estimate: the embedding and LM head
-    sit on the end stages)."""
+    sit on the end stages). `fused`: the activations of the fused CPU layer ops (smaller; the default plans for
+    torch's ops, an upper bound)."""
     from dataclasses import replace
 
     from llmrt.attention.kv_quant import kv_bytes_per_token
@@ -149,7 +155,7 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
     limit = max_model_len or context_limit(hf_config)
     tokens = min(max_num_batched_tokens, limit)
     activation = estimate_activation_peak(hf_config, tokens, min(max_num_seqs, tokens), dtype,
-                                          spec.num_kv_heads, spec.head_dim, tp)
+                                          spec.num_kv_heads, spec.head_dim, tp, fused)
     budget = kv_budget_bytes(memory_bytes, utilization, weights, activation)
     blocks = num_kv_blocks(budget, per_token, block_size)
     fmt = str(kv_dtype or dtype).replace("torch.", "") if kv_cache_dtype == "auto" else \

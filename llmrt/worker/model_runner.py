@@ -12,6 +12,7 @@ from llmrt.config import EngineConfig
 from llmrt.engine.memory_plan import estimate_activation_peak, parameter_bytes
 from llmrt.engine.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SpecStepStats, StepInput
 from llmrt.hardware import compute_dtype, measure_peak_memory
+from llmrt.model.layers.fused import fused_ops
 from llmrt.model.layers.sampler import Sampler, SamplingMetadata
 from llmrt.model.loader import load_model
 from llmrt.spec_decode import ProposalInput, create_proposer
@@ -41,6 +42,10 @@ class ModelRunner:
             from llmrt.model.layers.batch_invariant import make_batch_invariant
 
             make_batch_invariant(self.model)
+        # Whether the model's norms/rotary/SiLU run the fused CPU kernels (smaller activations, memory_plan).
+        self.fused_layers = (self.device.type == "cpu" and not config.deterministic
+                             and compute_dtype(self.device, config.model.torch_dtype) in (torch.float32, torch.bfloat16)
+                             and fused_ops() is not None)
         self.attn_backend = select_attention_backend(config.attention_backend, self.device)
         self.block_size = config.cache.block_size
         self.vocab_size = int(config.model.hf_config["vocab_size"] if "vocab_size" in config.model.hf_config
@@ -63,7 +68,7 @@ class ModelRunner:
         num_tokens = min(sc.max_num_batched_tokens, self.config.model.max_model_len)
         dtype = compute_dtype(self.device, self.config.model.torch_dtype)
         return estimate_activation_peak(self.config.model.hf_config, num_tokens, min(sc.max_num_seqs, num_tokens),
-                                        dtype, self.kv_spec.num_kv_heads, self.kv_spec.head_dim, tp)
+                                        dtype, self.kv_spec.num_kv_heads, self.kv_spec.head_dim, tp, self.fused_layers)
 
     @torch.inference_mode()
     def profile_activation_peak(self, allocate_kv: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]) -> int:
