@@ -3,7 +3,8 @@
 Loads the peers' model with the offline LLM, starts W2's prompt (one sequence) or 64 of W1's prompts (cut to 64
 tokens, so the prefill is short), and then times engine steps in alternating blocks with every layer's `fused` flag
 on and off (the torch ops are the off side; everything else is the same process and cache). Reports the median
-step time of each side and their ratio, per workload and dtype, with the load average.
+wall and process-CPU step time of each side and their ratios, per workload and dtype, with the load average (run
+it with OMP_NUM_THREADS=1 on a loaded host: CPU time then counts the work, not the waits for a time slice).
 
 usage: python fused_ops.py MODEL_DIR WORKLOAD_JSON [--dtypes bfloat16 float32] [--blocks 6] [--steps 8] [--out FILE]
 """
@@ -29,16 +30,20 @@ args = ap.parse_args()
 def alternate(llm: LLM, model) -> dict:
     """Per-step ms of `blocks` alternating blocks on each side."""
     times = {"fused": [], "torch": []}
+    cpu = {"fused": [], "torch": []}  # process CPU time: on an oversubscribed host less bent by time slicing
     for b in range(2 * args.blocks):
         side = ("fused", "torch")[b % 2] if (b // 2) % 2 == 0 else ("torch", "fused")[b % 2]
         set_fused(model, side == "fused")
         for _ in range(args.steps):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             llm._step()
             times[side].append((time.perf_counter() - t) * 1e3)
+            cpu[side].append((time.process_time() - c) * 1e3)
     set_fused(model, True)
     res = {f"{k}_median_ms": median(v) for k, v in times.items()}
+    res.update({f"{k}_median_cpu_ms": median(v) for k, v in cpu.items()})
     res["torch_over_fused"] = res["torch_median_ms"] / res["fused_median_ms"]
+    res["torch_over_fused_cpu"] = res["torch_median_cpu_ms"] / res["fused_median_cpu_ms"]
     return res
 
 

@@ -105,6 +105,9 @@ def test_layers_take_the_torch_path_when_told_or_off_cpu(monkeypatch):
     act.fused = True
     act(x)
     assert calls
+    calls.clear()
+    act(torch.randn(17, 8))  # beyond FUSED_SILU_MAX_ROWS torch's silu and mul are faster (activation.py)
+    assert not calls
     assert GatedActivation("gelu_new")(x).shape == (2, 4)  # not SiLU: torch's ops
 
 

@@ -101,20 +101,19 @@ def estimate_activation_peak(hf_config: dict[str, Any], num_tokens: int, num_log
     3 x intermediate), attention the fused qkv output, rotated/normed q and k, the attention output (4 x q
     + 2 x kv). The peak is the larger phase. The logits step keeps the final hidden states plus float32 logits
     and their softmax. With `fused` (the fused CPU layer ops, llmrt/model/layers/fused.py) rotary works in place
-    (no rotated copies of q and k) and SiLU-and-mul writes only the product (3 x intermediate + 3 x hidden).
+    (no rotated copies of q and k).
     Measured against the engine's own tracking on CPU: within ~10% (tests/test_memory_plan).
     """
     c = hf_config
     hidden = c.get("hidden_size") or c["n_embd"]
     heads = c.get("num_attention_heads") or c["n_head"]
     gated = "n_embd" not in c  # the GPT-2 family has a plain MLP
-    fused = fused and gated  # and none of the fused ops (LayerNorm, learned positions, GELU)
+    fused = fused and gated  # the GPT-2 family has no rotary
     inter = c.get("intermediate_size") or c.get("n_inner") or 4 * hidden
     q = heads * head_dim // tp
     kv = kv_heads * head_dim
     inter //= tp
-    # Fused: gate_up and the product (3 x intermediate), with the down projection's output beside the residual.
-    mlp = 3 * hidden + 3 * inter if fused else 2 * hidden + (5 if gated else 3) * inter
+    mlp = 2 * hidden + (5 if gated else 3) * inter  # the fused SiLU runs only decode-sized steps, not the peak's
     attn = 2 * hidden + (q + 2 * kv) + (3 * q + kv if fused else 4 * q + 2 * kv)
     elem = torch.empty((), dtype=compute_dtype).element_size()
     layer_peak = num_tokens * max(mlp, attn) * elem

@@ -35,8 +35,15 @@ def gated(act: Callable[[torch.Tensor], torch.Tensor], gate_up: torch.Tensor) ->
     return act(gate_up[..., :d]) * gate_up[..., d:]
 
 
+# The fused SiLU-and-mul wins only where a call is overhead-bound: measured 1 thread (benchmarks/fused-ops-micro.json,
+# 124.7M shapes, load ~8), 1 row 4.6 vs 7.6 us (fp32), but 64 rows 241 vs 208 us (fp32) and 645 vs 361 us (bf16):
+# torch's vectorized silu and mul beat its exp polynomial per element. Larger steps keep torch's ops.
+FUSED_SILU_MAX_ROWS = 16
+
+
 class GatedActivation(nn.Module):
-    """act(gate) * up of a gated MLP's fused [.., 2*I] gate_up; SiLU's in one fused CPU pass where it loads."""
+    """act(gate) * up of a gated MLP's fused [.., 2*I] gate_up; SiLU's in one fused CPU pass for decode-sized steps
+    (up to FUSED_SILU_MAX_ROWS rows) where it loads."""
 
     def __init__(self, name: str):
         super().__init__()
@@ -44,7 +51,8 @@ class GatedActivation(nn.Module):
         self.fused = True  # the fused CPU kernel where it loads (llmrt/model/layers/fused.py)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        ops = ops_for(gate_up, self.fused) if self.act is F.silu else None
-        if ops is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        small = gate_up.dim() == 2 and gate_up.shape[0] <= FUSED_SILU_MAX_ROWS
+        ops = ops_for(gate_up, self.fused) if self.act is F.silu and small else None
+        if ops is not None and gate_up.stride(-1) == 1:
             return ops.silu_mul(gate_up)
         return gated(self.act, gate_up)
