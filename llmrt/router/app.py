@@ -8,7 +8,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
-import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -54,10 +53,7 @@ class RouterConfig:
 
 def build_router_app(cfg: RouterConfig) -> Starlette:
     """The router app; its backends are checked once before it serves and every interval after."""
-    # Health checks (a few requests a second, off the request path) on httpx; the relay on aiohttp (proxy.py).
-    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=100, keepalive_expiry=30.0),
-                               timeout=httpx.Timeout(cfg.upstream_timeout, connect=min(5.0, cfg.upstream_timeout)))
-    pool = BackendPool(cfg.backends, cfg.health, client, api_key=cfg.backend_api_key)
+    pool = BackendPool(cfg.backends, cfg.health, api_key=cfg.backend_api_key)
     metrics = RouterMetrics(snapshot=lambda: [b.snapshot() for b in pool.backends])
     pool.on_eject = lambda b, reason: metrics.ejections.labels(b.name).inc()
     versions = VersionRules()
@@ -68,7 +64,8 @@ def build_router_app(cfg: RouterConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        router.client = upstream_session(cfg.upstream_timeout)
+        # one pooled client for the relay and the health checks (those set their own short timeouts)
+        router.client = pool.client = upstream_session(cfg.upstream_timeout)
         await pool.check_all()
         pool.start()
         tasks = [asyncio.create_task(w(pool)) for w in cfg.watchers]
@@ -79,7 +76,6 @@ def build_router_app(cfg: RouterConfig) -> Starlette:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await pool.stop()
-            await client.aclose()
             await router.client.close()
 
     async def health(request: Request) -> Response:
