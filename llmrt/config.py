@@ -369,7 +369,9 @@ class ServerConfig:
     max_queue_delay_ms: Optional[float] = None  # 429 when the queue would delay a request longer (None: no limit)
     health_step_timeout: float = 30.0  # /health is 503 when no step completes this long while requests pend
     request_timeout: Optional[float] = None  # seconds a request may take unless it sets its own timeout
-    max_body_bytes: int = 10 * 1024 * 1024  # larger bodies are refused (400) before they are parsed
+    # larger bodies are refused (400) before they are parsed; server.middleware.MAX_BODY_BYTES is the same default
+    # (that module is shared with the router, which must not import torch through this one)
+    max_body_bytes: int = 10 * 1024 * 1024
     max_request_tokens: int = 262144  # prompt tokens one request may carry, all its prompts together
     # The bounded pool that tokenizes, renders chat templates and checks grammars: up to 4 threads, leaving a
     # core to the event loop (on 2 cores, 1 thread: more would take the loop's CPU while bodies are tokenized).

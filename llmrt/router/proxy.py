@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Optional
 
 import aiohttp
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from llmrt.errors import EngineDeadError, LLMRTError, ModelNotFoundError, UnavailableError, UpstreamTimeoutError
 from llmrt.router.backends import Backend, BackendPool
