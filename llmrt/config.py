@@ -142,7 +142,7 @@ class CacheConfig:
     num_gpu_blocks_override: Optional[int] = None  # fix the block count (tests, experiments)
     enable_prefix_caching: bool = True  # reuse the KV of full blocks that earlier requests computed
     swap_space: int = 4 << 30  # bytes of host memory for KV blocks swapped out (preemption_mode swap only)
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; int8 stores per-token, per-head scales beside the blocks
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; int8/fp8 store per-token, per-head scales in the blocks
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

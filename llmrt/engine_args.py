@@ -89,8 +89,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-group-size", type=int, default=default_of(ModelConfig, "quant_group_size"),
                    choices=list(QUANT_GROUP_SIZES), help="int4: weights per scale group (default: %(default)s)")
     g.add_argument("--kv-cache-dtype", default=default_of(c, "kv_cache_dtype"), choices=list(KV_CACHE_DTYPES),
-                   help="KV-cache storage: auto (the model dtype) or int8 (per-token, per-head scales; about 2x the "
-                        "tokens of bf16 in the same memory); fp8 is refused until built (default: %(default)s)")
+                   help="KV-cache storage: auto (the model dtype), int8 or fp8 (e4m3), both with per-token, per-head "
+                        "scales: about 2x the tokens of bf16 in the same memory; fp8 is converted in software where "
+                        "the device has no fp8 instructions (CPUs, CUDA before sm_89) (default: %(default)s)")
     g.add_argument("--kv-watermark", type=float, default=default_of(s, "kv_watermark"),
                    help="fraction of KV blocks new admissions leave free, so running sequences can grow before "
                         "anyone is preempted (default: %(default)s)")

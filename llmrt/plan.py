@@ -27,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of the decoder layers, as `serve` (default: none)")
     p.add_argument("--quant-group-size", type=int, default=default_of(ModelConfig, "quant_group_size"),
                    choices=list(QUANT_GROUP_SIZES), help="int4 group size (default: %(default)s)")
-    p.add_argument("--kv-cache-dtype", default=default_of(CacheConfig, "kv_cache_dtype"), choices=["auto", "int8"],
-                   help="KV-cache storage, as `serve`: auto (--kv-dtype) or int8 with per-token scales "
+    p.add_argument("--kv-cache-dtype", default=default_of(CacheConfig, "kv_cache_dtype"), choices=["auto", "int8", "fp8"],
+                   help="KV-cache storage, as `serve`: auto (--kv-dtype), int8 or fp8 with per-token scales "
                         "(default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the model is split over (default: 1)")
     p.add_argument("--pp", type=int, default=1,

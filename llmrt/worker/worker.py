@@ -37,7 +37,7 @@ class Worker:
             self.model_runner = ModelRunner(config, self.device)
         self.block_size = config.cache.block_size
         self.kv_dtype = config.model.torch_dtype
-        self.kv_cache_dtype = config.cache.kv_cache_dtype  # auto (the model dtype) | int8
+        self.kv_cache_dtype = config.cache.kv_cache_dtype  # auto (the model dtype) | int8 | fp8
         self.kv_caches: KVCache = []
         self.host_cache: KVCache = []  # swap space, same layout in host memory
         self.memory: Optional[MemoryPlan] = None
