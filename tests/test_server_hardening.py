@@ -80,7 +80,7 @@ SURROGATE_CASES = [
     ("/v1/completions", f'{{"prompt": "a{_S}b"}}', "prompt"),
     ("/v1/completions", f'{{"prompt": ["ok", "x{_S}"]}}', "prompt[1]"),
     ("/v1/completions", f'{{"prompt": "ok", "stop": ["fine", "{_S}"]}}', "stop[1]"),
-    ("/v1/completions", f'{{"prompt": "ok", "stop": "\\udfff"}}', "stop"),
+    ("/v1/completions", '{"prompt": "ok", "stop": "\\udfff"}', "stop"),
     ("/v1/completions", f'{{"prompt": "ok", "model": "{_S}"}}', "model"),
     ("/v1/completions", f'{{"prompt": "ok", "user": "u{_S}"}}', "user"),
     ("/v1/completions", f'{{"prompt": "ok", "structured_outputs": {{"regex": "a{_S}"}}}}', "structured_outputs.regex"),
