@@ -161,3 +161,32 @@ def join_groups(rank: int, tp: int, pp: int, init_method: str, device: torch.dev
             tp_comm.group = start
     pipe = PipeComm(rank, PPStage(stage, pp), tp, device, world_comm.step_group)
     return tp_comm, pipe
+
+
+@dataclass
+class PipelineTotals:
+    """Every stage's waiting and total seconds summed over steps (the engine core keeps one)."""
+
+    wait: list[float]
+    total: list[float]
+    steps: int = 0
+
+    @classmethod
+    def of(cls, stages: int) -> "PipelineTotals":
+        """Zeros for `stages` stages."""
+        return cls([0.0] * stages, [0.0] * stages)
+
+    def observe(self, stage_times: list[StageTimes]) -> None:
+        """Add one step (stages that did not report are skipped)."""
+        if not stage_times:
+            return
+        for i, t in enumerate(stage_times[:len(self.wait)]):
+            self.wait[i] += t.wait
+            self.total[i] += t.total
+        self.steps += 1
+
+    @property
+    def bubble_share(self) -> float:
+        """Waiting over total time, all stages together."""
+        total = sum(self.total)
+        return sum(self.wait) / total if total else 0.0
