@@ -15,7 +15,15 @@ from llmrt.engine.step import StepInput
 from llmrt.errors import EngineDeadError, UnsupportedError
 from llmrt.sampling_params import SamplingParams
 from llmrt.worker.pipeline_step import num_micro_batches, split_micro_batches
-from tests.test_parallel import CASES, GREEDY, OPTS, PROMPTS, _assert_same, models  # noqa: F401 (fixture)
+from tests.conftest import build_checkpoint
+from tests.test_parallel import CASES, GREEDY, OPTS, PROMPTS, _assert_same
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The TP tests' five architectures (random weights; Qwen2 with one KV head)."""
+    root = tmp_path_factory.mktemp("pp")
+    return {name: build_checkpoint(name, root / name, **over) for name, over in CASES.items()}
 
 
 def _generate(model, pp: int, prompts=PROMPTS, params=GREEDY, tp: int = 1, **kw):
@@ -70,11 +78,14 @@ def test_micro_batching_changes_nothing_and_the_bubble_is_measured(models):
     llm = LLM(str(models["qwen3"]), pipeline_parallel_size=2, pipeline_micro_batches=2, **OPTS)
     try:
         two = llm.generate(PROMPTS, params)
+        again = llm.generate(PROMPTS, params)  # the prompts' full blocks now come from the prefix cache
         st = llm.engine.stats()
     finally:
         llm.shutdown()
     _assert_same(ref, one)
     _assert_same(one, two, tol=1e-6)
+    _assert_same(two, again)
+    assert st.prefix_cache_hit_tokens > 0
     assert st.pipeline_steps > 0 and len(st.pipeline_wait_seconds) == 2
     assert all(0 < w < t for w, t in zip(st.pipeline_wait_seconds, st.pipeline_stage_seconds))
     from llmrt.metrics.prometheus import _EngineCollector
@@ -105,6 +116,16 @@ def test_swap_preemption_prefix_caching_and_structured_output_at_pp2(models):
     for a, b in zip(ref, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert re.fullmatch(regex, b.outputs[0].text), b.outputs[0].text
+
+
+@pytest.mark.slow
+def test_ngram_speculation_at_pp2_keeps_greedy_outputs(models):
+    """Proposals are verified on rank 0 from the extra logits rows the last stage sends back."""
+    prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], list(range(30, 50)) * 2]
+    spec = dict(speculative_method="ngram", num_speculative_tokens=3)
+    ref, _ = _generate(models["llama3"], 1, prompts)
+    got, _ = _generate(models["llama3"], 2, prompts, **spec)
+    _assert_same(ref, got)
 
 
 @pytest.mark.slow
