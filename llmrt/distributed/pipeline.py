@@ -82,7 +82,12 @@ class PipeComm:
     tp: int
     device: torch.device
     step_group: Optional[dist.ProcessGroup]
+    # Logits and stage timings go back to rank 0 on their own groups: on NCCL each group has its own stream, so a
+    # backward message queued behind the next micro-batch's activations on a shared stream cannot deadlock.
+    back_step_group: Optional[dist.ProcessGroup] = None
+    back_start_group: Optional[dist.ProcessGroup] = None
     group: Optional[dist.ProcessGroup] = None  # start-up: the default group's long timeout
+    back_group: Optional[dist.ProcessGroup] = None
     times: StageTimes = field(default_factory=StageTimes)
     _sends: list = field(default_factory=list, repr=False)
 
@@ -95,9 +100,15 @@ class PipeComm:
         """The global rank of `stage`'s tp rank `tp_rank` (default: this rank's)."""
         return stage * self.tp + (self.tp_rank if tp_rank is None else tp_rank)
 
+    def __post_init__(self) -> None:
+        self.back_group = self.back_start_group
+
     def use_step_timeout(self) -> None:
         """From now on a message not answered within the step timeout fails."""
-        self.group = self.step_group
+        self.group, self.back_group = self.step_group, self.back_step_group
+
+    def _group_for(self, tag: int) -> Optional[dist.ProcessGroup]:
+        return self.group if tag == TAG_CARRY else self.back_group
 
     @contextlib.contextmanager
     def _waiting(self) -> Iterator[None]:
@@ -109,13 +120,13 @@ class PipeComm:
         """Start sending `t` to global rank `dst` (completes by `finish_sends`)."""
         t = t.contiguous()
         self.times.p2p_bytes += t.numel() * t.element_size()
-        self._sends.append((dist.isend(t, dst=dst, group=self.group, tag=tag), t))
+        self._sends.append((dist.isend(t, dst=dst, group=self._group_for(tag), tag=tag), t))
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         """Receive a tensor of `shape` from global rank `src` (time blocked counts as waiting)."""
         t = torch.empty(shape, dtype=dtype, device=self.device)
         with self._waiting():
-            dist.recv(t, src=src, group=self.group, tag=tag)
+            dist.recv(t, src=src, group=self._group_for(tag), tag=tag)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
         return t
@@ -159,7 +170,11 @@ def join_groups(rank: int, tp: int, pp: int, init_method: str, device: torch.dev
         if s == stage:
             tp_comm = Communicator(step, rank % tp, tp, device)
             tp_comm.group = start
-    pipe = PipeComm(rank, PPStage(stage, pp), tp, device, world_comm.step_group)
+    world = list(range(tp * pp))
+    back_start = dist.new_group(world, timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)),
+                                backend=backend)
+    back_step = dist.new_group(world, timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
+    pipe = PipeComm(rank, PPStage(stage, pp), tp, device, world_comm.step_group, back_step, back_start)
     return tp_comm, pipe
 
 
