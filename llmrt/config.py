@@ -232,6 +232,10 @@ class ParallelConfig:
     """How the model is split over workers; this process's rank within them."""
 
     tensor_parallel_size: int = 1
+    # Contiguous layer stages, each on its own group of tensor_parallel_size ranks.
+    pipeline_parallel_size: int = 1
+    # Micro-batches a pipelined step is split into (by sequences); 0: as many as stages, when there are enough.
+    pipeline_micro_batches: int = 0
     # A name in llmrt.executor.EXECUTORS; auto: "uni" for one rank, "mp" (a process per rank) for more.
     distributed_executor_backend: str = "auto"
     distributed_timeout: float = 20.0  # seconds a collective may wait for the other ranks before failing
@@ -241,6 +245,12 @@ class ParallelConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise InvalidRequestError(f"tensor_parallel_size must be a positive integer, got "
                                       f"{self.tensor_parallel_size!r}", param="tensor_parallel_size")
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            raise InvalidRequestError(f"pipeline_parallel_size must be a positive integer, got "
+                                      f"{self.pipeline_parallel_size!r}", param="pipeline_parallel_size")
+        if not isinstance(self.pipeline_micro_batches, int) or self.pipeline_micro_batches < 0:
+            raise InvalidRequestError(f"pipeline_micro_batches must be 0 (auto) or a positive integer, got "
+                                      f"{self.pipeline_micro_batches!r}", param="pipeline_micro_batches")
         if self.distributed_timeout <= 0:
             raise InvalidRequestError("distributed_timeout must be positive", param="distributed_timeout")
         if self.distributed_executor_backend == "auto":
@@ -251,8 +261,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Workers in all."""
-        return self.tensor_parallel_size
+        """Workers in all: tensor-parallel ranks x pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -295,7 +305,18 @@ class EngineConfig:
 
     def _check_parallel(self) -> None:
         """Refuse a split the model or the other options cannot take, before anything is loaded."""
-        tp = self.parallel.tensor_parallel_size
+        tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
+        if pp > 1:
+            from llmrt.distributed.sizes import check_pipeline_parallel
+
+            check_pipeline_parallel(self.model.hf_config, self.model.architecture, pp)
+            if self.speculative.method == "draft":
+                raise UnsupportedError("a draft model is not split into pipeline stages yet; use "
+                                       "--speculative-method ngram or --pipeline-parallel-size 1",
+                                       param="speculative_method")
+            if self.deterministic:
+                raise UnsupportedError("--deterministic is not checked with pipeline parallelism yet; use "
+                                       "--pipeline-parallel-size 1", param="pipeline_parallel_size")
         if tp == 1:
             return
         from llmrt.distributed.sizes import check_tensor_parallel
