@@ -2,8 +2,7 @@
 
 usage: PYTHONPATH=CHECKOUT python step_opcount.py   (reads /tmp/peers/models; prints one JSON line)
 """
-import json, sys, torch
-from collections import Counter
+import json
 from torch.profiler import profile, ProfilerActivity
 from llmrt import LLM, SamplingParams
 M = "/tmp/peers/models/llama-syn-bf16"
