@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from llmrt.config import (DEFAULT_CPU_KV_CACHE_BYTES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANT_GROUP_SIZES, SCHEDULING_POLICIES, SPECULATIVE_METHODS,
+from llmrt.config import (CPU_ALL_REDUCE, DEFAULT_CPU_KV_CACHE_BYTES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANT_GROUP_SIZES, SCHEDULING_POLICIES, SPECULATIVE_METHODS,
                           CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                           SpeculativeConfig)
 
@@ -110,6 +110,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-timeout", type=float, default=default_of(pc, "distributed_timeout"),
                    help="seconds a collective waits for the other ranks before the engine is declared dead "
                         "(a hung rank becomes engine_dead, never a hang) (default: %(default)s)")
+    g.add_argument("--cpu-all-reduce", default=default_of(pc, "cpu_all_reduce"), choices=list(CPU_ALL_REDUCE),
+                   help="how CPU ranks meet in collectives: shm (a shared-memory segment, every rank on this x86 "
+                        "host), gloo (torch.distributed over TCP), auto (shm when every rank is on this host); "
+                        "CUDA ranks use NCCL (default: %(default)s)")
 
     sp = SpeculativeConfig
     g = p.add_argument_group("speculative decoding")
@@ -135,7 +139,7 @@ _ENGINE_KEYS = ("dtype", "device", "attention_backend", "deterministic", "max_mo
                 "scheduling_policy", "short_first_aging_steps", "enable_prefix_caching", "preemption_mode",
                 "swap_space", "kv_watermark", "quantization", "quant_group_size", "kv_cache_dtype", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
                 "speculative_model", "speculative_max_batch_tokens", "tensor_parallel_size",
-                "distributed_executor_backend", "distributed_timeout")
+                "distributed_executor_backend", "distributed_timeout", "cpu_all_reduce")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -35,19 +35,20 @@ class RankServer:
 
         set_rank_threads(config)
         device = device or rank_device(config.device, rank)
-        self.comm = init_distributed(rank, config.parallel.world_size, init_method, device,
-                                     config.parallel.distributed_timeout)
+        pc = config.parallel
+        self.comm = init_distributed(rank, pc.world_size, init_method, device, pc.distributed_timeout,
+                                     pc.cpu_all_reduce)
         self.worker = Worker(config, rank=rank, device=device, comm=self.comm)
 
     def handle(self, kind: str, arg: Any) -> Any:
         """Run one message from rank 0; the value goes back only for start-up calls."""
         if kind == "step":
-            self.comm.use_step_timeout()
             self.worker.execute_shard(arg)
-            self.comm.take_stats()  # only rank 0's figures are reported; this keeps CUDA events from piling up
             return None
         if kind == "init_cache":
-            return self.worker.initialize_cache().num_blocks
+            blocks = self.worker.initialize_cache().num_blocks
+            self.comm.use_step_timeout()  # start-up's last collectives are done
+            return blocks
         if kind == "init_host_cache":
             return self.worker.initialize_host_cache(arg)
         if kind == "param_bytes":
@@ -85,4 +86,5 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, conn: Any, log
             os._exit(19)
         if kind != "step":
             conn.send(("done", result))
+    server.comm.close()
     shutdown_distributed()

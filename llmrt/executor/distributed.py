@@ -59,8 +59,9 @@ class DistributedExecutor(Executor):
     def _start_rank0(self, init_method: str) -> None:
         """Join the group as rank 0 and load rank 0's shard (the other ranks must be starting already)."""
         set_rank_threads(self.config)
-        self.comm = init_distributed(0, self.config.parallel.world_size, init_method,
-                                     rank_device(self.config.device, 0), self.config.parallel.distributed_timeout)
+        pc = self.config.parallel
+        self.comm = init_distributed(0, pc.world_size, init_method, rank_device(self.config.device, 0),
+                                     pc.distributed_timeout, pc.cpu_all_reduce)
         self.worker = Worker(self.config, rank=0, comm=self.comm)
         self.worker.model_runner.step_listener = self._send_step
 
@@ -81,6 +82,7 @@ class DistributedExecutor(Executor):
         plan = self.worker.initialize_cache()
         self._collect()
         self.comm.take_stats()  # the profiling pass's collectives are not a step's
+        self.comm.use_step_timeout()  # start-up's last collectives are done (the other ranks switch alike)
         return plan
 
     def initialize_host_cache(self, swap_bytes: int) -> int:
@@ -102,7 +104,6 @@ class DistributedExecutor(Executor):
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         self._check_alive()
-        self.comm.use_step_timeout()
         try:
             out = self.worker.execute(step)  # its step_listener sends the StepInput first
         except RuntimeError as e:  # torch.distributed raises RuntimeError subclasses for failed collectives
@@ -120,4 +121,6 @@ class DistributedExecutor(Executor):
         self._send("step", inp)
 
     def shutdown(self) -> None:
+        if getattr(self, "comm", None) is not None:
+            self.comm.close()
         shutdown_distributed()
