@@ -96,6 +96,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "anyone is preempted (default: %(default)s)")
 
 
+    from llmrt.executor import EXECUTORS  # the registry: a new executor's name is a valid choice at once
+
     pc = ParallelConfig
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=default_of(pc, "tensor_parallel_size"),
@@ -103,7 +105,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "refused when the model's heads do not divide, or with more ranks than devices (CUDA) or CPU "
                         "cores (gloo) (default: %(default)s)")
     g.add_argument("--distributed-executor-backend", default=default_of(pc, "distributed_executor_backend"),
-                   choices=["auto", "uni", "mp", "ray"],
+                   choices=["auto", *EXECUTORS],
                    help="how ranks run: uni (one rank, in the engine core), mp (a spawned process per rank), ray "
                         "(ranks 1..N-1 as actors on the Ray cluster the engine joins: RAY_ADDRESS or the local one; "
                         "pip install 'llmrt[ray]'); auto picks uni for one rank, mp for more (default: %(default)s)")

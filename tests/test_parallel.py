@@ -55,6 +55,25 @@ def test_tp2_greedy_tokens_and_logprobs_match_tp1(arch, models):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama3", "gpt2"])
+def test_shared_memory_and_gloo_collectives_give_the_same_outputs(arch, models):
+    """Same-host CPU ranks pick the shared-memory all-reduce by themselves; forcing gloo gives the same tokens
+    and logprobs (and both match one rank)."""
+    ref, _ = _generate(models[arch], 1)
+    runs = {}
+    for mode in ("auto", "gloo"):
+        llm = LLM(str(models[arch]), tensor_parallel_size=2, cpu_all_reduce=mode, **OPTS)
+        try:
+            runs[llm.engine.executor.comm.transport] = llm.generate(PROMPTS, GREEDY)
+        finally:
+            llm.shutdown()
+    assert set(runs) == {"shm", "gloo"}
+    _assert_same(ref, runs["shm"])
+    _assert_same(ref, runs["gloo"])
+    _assert_same(runs["gloo"], runs["shm"])
+
+
+@pytest.mark.slow
 def test_each_rank_holds_half_the_split_parameters(models):
     """Measured per-rank parameter bytes: half of everything split, plus the replicated norms (and, for Qwen2
     with one KV head, the replicated K/V projections)."""
