@@ -78,6 +78,7 @@ class ShmAllReduce:
         data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=16 * size, count=2 * size * capacity)
         self._slots = data.view(2, size, capacity)
         self._calls = 0
+        self._view_cache: dict[tuple[torch.dtype, torch.Size], list[list[torch.Tensor]]] = {}
         self._check_pids = Path("/proc").is_dir()
 
     @staticmethod
@@ -100,17 +101,29 @@ class ShmAllReduce:
         """Whether `t` can go through the segment (else the caller uses gloo; every rank decides alike)."""
         return t.device.type == "cpu" and t.dtype in DTYPES and t.numel() * t.element_size() <= self.capacity
 
-    def _slot(self, buf: int, rank: int, t: torch.Tensor) -> torch.Tensor:
-        return self._slots[buf, rank, :t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    def _views(self, t: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Per buffer, every rank's slot viewed as `t`'s dtype and shape (cached: a step's calls share a shape,
+        and building the views costs more than a small all-reduce's arithmetic)."""
+        key = (t.dtype, t.shape)
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) >= 64:
+                self._view_cache.clear()
+            nbytes = t.numel() * t.element_size()
+            views = [[self._slots[b, r, :nbytes].view(t.dtype).view(t.shape) for r in range(self.size)]
+                     for b in range(2)]
+            self._view_cache[key] = views
+        return views
 
-    def _exchange(self, t: torch.Tensor) -> int:
-        """Publish `t` in this rank's slot and wait until every rank published the same call's; the buffer."""
+    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Publish `t` in this rank's slot and wait until every rank published the same call's; their slots."""
         self._calls += 1
-        g, buf = self._calls, self._calls % 2
-        self._slot(buf, self.rank, t).copy_(t)
+        g = self._calls
+        slots = self._views(t)[g % 2]
+        slots[self.rank].copy_(t)
         self._arrival[self.rank] = g
         self._wait(g)
-        return buf
+        return slots
 
     def _wait(self, g: int) -> None:
         arrival = self._arrival
@@ -141,9 +154,7 @@ class ShmAllReduce:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks in place (the same bits on every rank); returns it."""
-        src = t if t.is_contiguous() else t.contiguous()
-        buf = self._exchange(src)
-        slots = [self._slot(buf, r, src) for r in range(self.size)]
+        slots = self._exchange(t)
         if t.dtype == torch.float32:
             torch.add(slots[0], slots[1], out=t)
             for s in slots[2:]:
@@ -157,15 +168,13 @@ class ShmAllReduce:
 
     def gather_to_first(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """Rank 0: every rank's `t` concatenated along the last dim; other ranks: None."""
-        src = t.contiguous()
-        buf = self._exchange(src)
-        if self.rank != 0:
-            return None
-        return torch.cat([self._slot(buf, r, src) for r in range(self.size)], dim=-1)
+        slots = self._exchange(t)
+        return torch.cat(slots, dim=-1) if self.rank == 0 else None
 
     def close(self) -> None:
         """Unmap the segment (tensors viewing it must be gone)."""
         self._slots = None  # type: ignore[assignment]
+        self._view_cache.clear()
         for view in (self._arrival, self._pids, self._header):
             view.release()
         with contextlib.suppress(BufferError):
