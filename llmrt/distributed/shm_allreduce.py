@@ -4,17 +4,22 @@ gloo moves even a 768-wide row through TCP loopback (~0.4-0.8 ms here); ranks on
 into a shared segment and meet at a flag barrier (~0.05 ms). Layout of the segment (one per TP group, a file in
 /dev/shm created by rank 0 and mapped by every rank, then unlinked at once so a crash leaves nothing behind):
 
-    int64 arrival[size] | int64 pid[size] | data: 2 buffers x size slots x capacity bytes
+    int64 arrival[size] | int64 pid[size] | int32 wake[size] | (64-byte aligned) data: 2 buffers x size slots x
+    capacity bytes
 
-Call g = 1, 2, ...: rank r copies its tensor into slot r of buffer g % 2, stores arrival[r] = g and waits until
-every arrival >= g; then every rank sums the slots in rank order (bfloat16/float16 accumulated in float32), so
+Call g = 1, 2, ...: rank r copies its tensor into slot r of buffer g % 2, stores arrival[r] = g (and wake[r], a
+futex word, waking ranks that sleep on it) and waits until every arrival >= g; then every rank sums the slots in rank order (bfloat16/float16 accumulated in float32), so
 each rank computes the same bits. Double buffering makes that one barrier per call enough: a rank at call g + 2
 overwrites buffer g % 2 only after every rank arrived at call g + 1, i.e. after each finished reading call g.
 The flag protocol relies on x86's store order (data stores are seen before the flag store); other CPUs use gloo.
+A waiting rank polls for a few microseconds, then sleeps on the late rank's futex word: ranks usually share
+cores with each other (and other work), and a sleeping rank is woken at once when the peer arrives instead of
+burning the core the peer needs.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -33,8 +38,14 @@ SHM_DIR = Path("/dev/shm")
 PREFIX = "llmrt-tp-"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_CAPACITY = 8 << 20  # bytes per rank's slot: a 2048-token float32 prefill of hidden 1024 fits
-_SPIN = 64  # busy polls before yielding the core (ranks often share cores with each other)
+_SPIN_S = 200e-6  # how long a waiting rank polls before it sleeps on the futex
 _LIVENESS_S = 0.05  # how often a waiting rank checks whether its peers still run
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64 Linux; shared (not PRIVATE): the word is in a shared map
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
 class CollectiveTimeout(RuntimeError):
@@ -43,7 +54,7 @@ class CollectiveTimeout(RuntimeError):
 
 def supported_here() -> bool:
     """Whether this host can run the shared-memory path: /dev/shm and a CPU with x86's total store order."""
-    return SHM_DIR.is_dir() and platform.machine().lower() in ("x86_64", "amd64")
+    return SHM_DIR.is_dir() and platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
 
 
 def host_id() -> str:
@@ -74,17 +85,27 @@ class ShmAllReduce:
             os.close(fd)
         self._header = memoryview(self._mm)[:16 * size].cast("q")
         self._arrival, self._pids = self._header[:size], self._header[size:]
+        self._wake = memoryview(self._mm)[16 * size:20 * size].cast("i")
+        anchor = ctypes.c_char.from_buffer(self._mm)  # only for the address (an export would block close)
+        self._wake_addr = [ctypes.addressof(anchor) + 16 * size + 4 * r for r in range(size)]
+        del anchor
         self._pids[rank] = os.getpid()
-        data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=16 * size, count=2 * size * capacity)
+        data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=self.header_bytes(size),
+                                count=2 * size * capacity)
         self._slots = data.view(2, size, capacity)
         self._calls = 0
         self._view_cache: dict[tuple[torch.dtype, torch.Size], list[list[torch.Tensor]]] = {}
         self._check_pids = Path("/proc").is_dir()
 
     @staticmethod
+    def header_bytes(size: int) -> int:
+        """The counters, pids and futex words of `size` ranks, rounded up to a cache line."""
+        return -(-20 * size // 64) * 64
+
+    @staticmethod
     def segment_bytes(size: int, capacity: int) -> int:
         """Bytes of a segment for `size` ranks with `capacity` bytes per slot."""
-        return 16 * size + 2 * size * capacity
+        return ShmAllReduce.header_bytes(size) + 2 * size * capacity
 
     @staticmethod
     def create_segment(size: int, capacity: int) -> Path:
@@ -122,28 +143,40 @@ class ShmAllReduce:
         slots = self._views(t)[g % 2]
         slots[self.rank].copy_(t)
         self._arrival[self.rank] = g
+        self._wake[self.rank] = g & 0x7FFFFFFF
+        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._wake_addr[self.rank]), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
         self._wait(g)
         return slots
 
     def _wait(self, g: int) -> None:
         arrival = self._arrival
-        spins = 0
-        deadline = check_at = 0.0
+        spin_end = time.perf_counter() + _SPIN_S
         while min(arrival) < g:
-            spins += 1
-            if spins < _SPIN:
-                continue
-            os.sched_yield()  # a peer sharing this core gets to run
+            if time.perf_counter() > spin_end:
+                break
+        else:
+            return
+        now = time.monotonic()
+        deadline, check_at = now + self.timeout_s, now + _LIVENESS_S
+        while True:
+            late = next((r for r in range(self.size) if arrival[r] < g), None)
+            if late is None:
+                return
+            word = self._wake[late]
+            if arrival[late] < g:  # still late after reading its word: sleep until the word changes (or 50 ms)
+                wait = min(_LIVENESS_S, max(deadline - now, 0.0))
+                ts = _Timespec(int(wait), int((wait % 1) * 1e9))
+                _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._wake_addr[late]), _FUTEX_WAIT, ctypes.c_int(word),
+                              ctypes.byref(ts), None, 0)
             now = time.monotonic()
-            if not deadline:
-                deadline, check_at = now + self.timeout_s, now + _LIVENESS_S
-            elif now >= check_at:
+            if now >= check_at:
                 check_at = now + _LIVENESS_S
                 self._check_peers(g)
-                if now >= deadline:
-                    late = [r for r in range(self.size) if arrival[r] < g]
+            if now >= deadline:
+                late_ranks = [r for r in range(self.size) if arrival[r] < g]
+                if late_ranks:
                     raise CollectiveTimeout(f"shared-memory collective {g} timed out after {self.timeout_s:g} s "
-                                            f"waiting for rank(s) {late}")
+                                            f"waiting for rank(s) {late_ranks}")
 
     def _check_peers(self, g: int) -> None:
         if not self._check_pids:
@@ -175,7 +208,7 @@ class ShmAllReduce:
         """Unmap the segment (tensors viewing it must be gone)."""
         self._slots = None  # type: ignore[assignment]
         self._view_cache.clear()
-        for view in (self._arrival, self._pids, self._header):
+        for view in (self._arrival, self._pids, self._header, self._wake):
             view.release()
         with contextlib.suppress(BufferError):
             self._mm.close()
