@@ -73,9 +73,9 @@ def _best(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {**batch, **{k: v for k, v in single.items() if k.startswith("single") or k == "tpot_s"}}
 
 
-def _ratios(runs: dict[str, list[dict[str, Any]]], name: str, key: str) -> list[float]:
-    """`name`'s `key` over TP=1's, round by round (the two ran back to back)."""
-    return [a[key] / b[key] for a, b in zip(runs[name], runs["tp1"])]
+def _ratios(runs: dict[str, list[dict[str, Any]]], name: str, key: str, base: str = "tp1") -> list[float]:
+    """`name`'s `key` over `base`'s, round by round (the two ran in the same round)."""
+    return [a[key] / b[key] for a, b in zip(runs[name], runs[base])]
 
 
 def _ratio_cell(best: float, per_round: list[float]) -> str:
@@ -155,9 +155,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row("batch throughput (tok/s)", lambda n: f"{best[n]['batch_tok_s']:.1f}"),
         row("  vs TP=1: best (round range)", lambda n: "-" if n == "tp1" else _ratio_cell(
             best[n]["batch_tok_s"] / b1["batch_tok_s"], _ratios(runs, n, "batch_tok_s"))),
+        row("  shm vs gloo, batch throughput: best (round range)", lambda n: "" if "shm" not in n else
+            _ratio_cell(best[n]["batch_tok_s"] / best[f"tp{args.tp} gloo"]["batch_tok_s"],
+                        _ratios(runs, n, "batch_tok_s", f"tp{args.tp} gloo"))),
         row("single-stream TPOT (ms)", lambda n: f"{best[n]['tpot_s'] * 1e3:.1f}"),
         row("  vs TP=1: best (round range)", lambda n: "-" if n == "tp1" else _ratio_cell(
             best[n]["tpot_s"] / b1["tpot_s"], _ratios(runs, n, "tpot_s"))),
+        row("  shm vs gloo, TPOT: best (round range)", lambda n: "" if "shm" not in n else
+            _ratio_cell(best[n]["tpot_s"] / best[f"tp{args.tp} gloo"]["tpot_s"],
+                        _ratios(runs, n, "tpot_s", f"tp{args.tp} gloo"))),
         row("collective ms / decode step, 1 seq (measured | plan)", lambda n: "-" if n == "tp1" else
             f"{best[n]['single_collective_ms_per_step']:.2f} | {est[split[n]]['single'] * 1e3:.2f}"),
         row(f"collective ms / step, batch (measured | plan: decode of {args.num_prompts})", lambda n: "-"

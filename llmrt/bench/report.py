@@ -81,7 +81,7 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def add_run_arguments(p: "argparse.ArgumentParser", rounds: int = 3) -> None:
+def add_run_arguments(p: argparse.ArgumentParser, rounds: int = 3) -> None:
     """The flags every alternating comparison shares: --rounds, --out-dir, --no-save."""
     p.add_argument("--rounds", type=int, default=rounds, help=f"alternating rounds; best counts (default {rounds})")
     p.add_argument("--out-dir", default="benchmarks", help="where results go (default benchmarks/)")

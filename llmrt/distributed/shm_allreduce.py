@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import mmap
 import os
 import platform
@@ -32,8 +31,6 @@ from typing import Optional
 
 import torch
 
-logger = logging.getLogger(__name__)
-
 SHM_DIR = Path("/dev/shm")
 PREFIX = "llmrt-tp-"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -41,7 +38,7 @@ DEFAULT_CAPACITY = 8 << 20  # bytes per rank's slot: a 2048-token float32 prefil
 _SPIN_S = 200e-6  # how long a waiting rank polls before it sleeps on the futex
 _LIVENESS_S = 0.05  # how often a waiting rank checks whether its peers still run
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64 Linux; shared (not PRIVATE): the word is in a shared map
-_libc = ctypes.CDLL(None, use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None  # only used where supported_here()
 
 
 class _Timespec(ctypes.Structure):
