@@ -7,11 +7,11 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from llmrt.table import Column, markdown_table, update_markdown
+from llmrt.table import Column, update_markdown
 
 if TYPE_CHECKING:
     import argparse

@@ -103,6 +103,8 @@ class Communicator:
         self.shm = shm
         self.step_timeout_s = step_timeout_s
         self.stats = CollectiveStats()
+        # Only global rank 0's figures are read (/metrics); the others (other stages' first TP ranks too) skip timing.
+        self.timed = not dist.is_initialized() or dist.get_rank() == 0
 
     @property
     def transport(self) -> str:
@@ -117,7 +119,7 @@ class Communicator:
 
     @contextlib.contextmanager
     def _timed(self, nbytes: int) -> Iterator[None]:
-        if self.rank != 0:  # only rank 0's figures are reported
+        if not self.timed:
             yield
             return
         self.stats.calls += 1
@@ -148,7 +150,7 @@ class Communicator:
             if self.shm is not None and self.shm.fits(t):
                 return self.shm.gather_to_first(t)
             parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else None
-            dist.gather(t.contiguous(), parts, dst=0, group=self.group)
+            dist.gather(t.contiguous(), parts, group_dst=0, group=self.group)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def all_min(self, value: int) -> int:
@@ -212,36 +214,36 @@ def init_distributed(rank: int, size: int, init_method: str, device: torch.devic
                             timeout=datetime.timedelta(seconds=startup),
                             **({"device_id": device} if device.type == "cuda" else {}))
     group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
-    shm = _open_shared_segment(rank, size, device, cpu_all_reduce, startup)
-    comm = Communicator(group, rank, size, device, shm, timeout_s)
+    comm = Communicator(group, rank, size, device, step_timeout_s=timeout_s)
+    attach_shared_memory(comm, cpu_all_reduce, None, startup)
     logger.info("rank %d of %d joined the %s group (collectives over %s)", rank, size, backend, comm.transport)
     return comm
 
 
-def _open_shared_segment(rank: int, size: int, device: torch.device, mode: str,
-                         timeout_s: float) -> Optional[ShmAllReduce]:
-    """The group's shared-memory collectives when every rank is a CPU rank on this host (`mode` auto or shm)."""
-    if device.type != "cpu" or mode == "gloo":
-        return None
-    hosts: list = [None] * size
-    dist.all_gather_object(hosts, (host_id(), supported_here()))
+def attach_shared_memory(comm: Communicator, mode: str, group: Optional[dist.ProcessGroup],
+                         timeout_s: float) -> None:
+    """Give `comm` its group's shared-memory segment when every rank of `group` (None: the default group) is a CPU
+    rank on this host and `mode` is auto or shm; a collective call of the whole group."""
+    if comm.device.type != "cpu" or mode == "gloo" or comm.size == 1:
+        return
+    hosts: list = [None] * comm.size
+    dist.all_gather_object(hosts, (host_id(), supported_here()), group=group)
     if not all(h == hosts[0][0] and ok for h, ok in hosts):
         if mode == "shm":
             from llmrt.errors import UnsupportedError
 
             raise UnsupportedError("--cpu-all-reduce shm needs every rank on one x86 host with /dev/shm",
                                    param="cpu_all_reduce")
-        return None
-    path = [str(ShmAllReduce.create_segment(size, DEFAULT_CAPACITY)) if rank == 0 else None]
+        return
+    path = [str(ShmAllReduce.create_segment(comm.size, DEFAULT_CAPACITY)) if comm.rank == 0 else None]
     try:
-        dist.broadcast_object_list(path, src=0)
-        shm = ShmAllReduce(Path(path[0]), rank, size, DEFAULT_CAPACITY, timeout_s)
-        dist.barrier()  # every rank has mapped it: the name can go
+        dist.broadcast_object_list(path, group=group, group_src=0)
+        comm.shm = ShmAllReduce(Path(path[0]), comm.rank, comm.size, DEFAULT_CAPACITY, timeout_s)
+        dist.barrier(group=group)  # every rank has mapped it: the name can go
     finally:
-        if rank == 0:
+        if comm.rank == 0:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path[0])
-    return shm
 
 
 def shutdown_distributed() -> None:

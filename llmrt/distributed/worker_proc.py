@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from llmrt.config import EngineConfig
-from llmrt.distributed.parallel_state import init_distributed, rank_device, shutdown_distributed
+from llmrt.distributed.parallel_state import rank_device, shutdown_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +31,15 @@ class RankServer:
     """One rank's worker and the handling of rank 0's messages (shared by the process and Ray backends)."""
 
     def __init__(self, config: EngineConfig, rank: int, init_method: str, device: Optional[torch.device] = None):
+        from llmrt.distributed.pipeline import join_groups
         from llmrt.worker.worker import Worker
 
         set_rank_threads(config)
         device = device or rank_device(config.device, rank)
         pc = config.parallel
-        self.comm = init_distributed(rank, pc.world_size, init_method, device, pc.distributed_timeout,
-                                     pc.cpu_all_reduce)
-        self.worker = Worker(config, rank=rank, device=device, comm=self.comm)
+        self.comm, self.pipe = join_groups(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
+                                           device, pc.distributed_timeout, pc.cpu_all_reduce)
+        self.worker = Worker(config, rank=rank, device=device, comm=self.comm, pipe=self.pipe)
 
     def handle(self, kind: str, arg: Any) -> Any:
         """Run one message from rank 0; the value goes back only for start-up calls."""
@@ -47,7 +48,9 @@ class RankServer:
             return None
         if kind == "init_cache":
             blocks = self.worker.initialize_cache().num_blocks
-            self.comm.use_step_timeout()  # start-up's last collectives are done
+            for c in (self.comm, self.pipe):  # start-up's last collectives are done
+                if c is not None:
+                    c.use_step_timeout()
             return blocks
         if kind == "init_host_cache":
             return self.worker.initialize_host_cache(arg)
@@ -86,5 +89,6 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, conn: Any, log
             os._exit(19)
         if kind != "step":
             conn.send(("done", result))
-    server.comm.close()
+    if server.comm is not None:
+        server.comm.close()
     shutdown_distributed()
