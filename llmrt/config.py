@@ -227,6 +227,9 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.method == "draft" else 0
 
 
+CPU_ALL_REDUCE = ("auto", "shm", "gloo")
+
+
 @dataclass
 class ParallelConfig:
     """How the model is split over workers; this process's rank within them."""
@@ -239,6 +242,9 @@ class ParallelConfig:
     # A name in llmrt.executor.EXECUTORS; auto: "uni" for one rank, "mp" (a process per rank) for more.
     distributed_executor_backend: str = "auto"
     distributed_timeout: float = 20.0  # seconds a collective may wait for the other ranks before failing
+    # How CPU ranks meet in collectives: shm (a shared-memory segment; every rank on this host), gloo, or auto
+    # (shm when every rank is on this host, else gloo). CUDA ranks use NCCL whatever this says.
+    cpu_all_reduce: str = "auto"
     rank: int = 0  # set per worker by the executor
 
     def __post_init__(self) -> None:
@@ -253,6 +259,9 @@ class ParallelConfig:
                                       f"{self.pipeline_micro_batches!r}", param="pipeline_micro_batches")
         if self.distributed_timeout <= 0:
             raise InvalidRequestError("distributed_timeout must be positive", param="distributed_timeout")
+        if self.cpu_all_reduce not in CPU_ALL_REDUCE:
+            raise InvalidRequestError(f"cpu_all_reduce must be one of {', '.join(CPU_ALL_REDUCE)}, got "
+                                      f"{self.cpu_all_reduce!r}", param="cpu_all_reduce")
         if self.distributed_executor_backend == "auto":
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         elif self.distributed_executor_backend == "uni" and self.world_size > 1:

@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from llmrt.config import (DEFAULT_CPU_KV_CACHE_BYTES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANT_GROUP_SIZES, SCHEDULING_POLICIES, SPECULATIVE_METHODS,
+from llmrt.config import (CPU_ALL_REDUCE, DEFAULT_CPU_KV_CACHE_BYTES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANT_GROUP_SIZES, SCHEDULING_POLICIES, SPECULATIVE_METHODS,
                           CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                           SpeculativeConfig)
 
@@ -97,6 +97,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "anyone is preempted (default: %(default)s)")
 
 
+    from llmrt.executor import EXECUTORS  # the registry: a new executor's name is a valid choice at once
+
     pc = ParallelConfig
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=default_of(pc, "tensor_parallel_size"),
@@ -111,13 +113,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="micro-batches a pipelined step is cut into (by sequences) so stages overlap; 0: one per "
                         "stage when the step has that many sequences (default: %(default)s)")
     g.add_argument("--distributed-executor-backend", default=default_of(pc, "distributed_executor_backend"),
-                   choices=["auto", "uni", "mp", "ray"],
+                   choices=["auto", *EXECUTORS],
                    help="how ranks run: uni (one rank, in the engine core), mp (a spawned process per rank), ray "
                         "(ranks 1..N-1 as actors on the Ray cluster the engine joins: RAY_ADDRESS or the local one; "
                         "pip install 'llmrt[ray]'); auto picks uni for one rank, mp for more (default: %(default)s)")
     g.add_argument("--distributed-timeout", type=float, default=default_of(pc, "distributed_timeout"),
                    help="seconds a collective waits for the other ranks before the engine is declared dead "
                         "(a hung rank becomes engine_dead, never a hang) (default: %(default)s)")
+    g.add_argument("--cpu-all-reduce", default=default_of(pc, "cpu_all_reduce"), choices=list(CPU_ALL_REDUCE),
+                   help="how CPU ranks meet in collectives: shm (a shared-memory segment, every rank on this x86 "
+                        "host), gloo (torch.distributed over TCP), auto (shm when every rank is on this host); "
+                        "CUDA ranks use NCCL (default: %(default)s)")
 
     sp = SpeculativeConfig
     g = p.add_argument_group("speculative decoding")
@@ -144,7 +150,7 @@ _ENGINE_KEYS = ("dtype", "device", "attention_backend", "deterministic", "max_mo
                 "swap_space", "kv_watermark", "quantization", "quant_group_size", "kv_cache_dtype", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
                 "speculative_model", "speculative_max_batch_tokens", "tensor_parallel_size",
                 "pipeline_parallel_size", "pipeline_micro_batches",
-                "distributed_executor_backend", "distributed_timeout")
+                "distributed_executor_backend", "distributed_timeout", "cpu_all_reduce")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

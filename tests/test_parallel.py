@@ -1,6 +1,7 @@
 """Tensor parallelism through the offline API: TP=2 (two processes, gloo) against TP=1 on the same weights."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -10,8 +11,10 @@ import pytest
 import torch
 
 from llmrt import LLM
-from llmrt.config import EngineConfig
-from llmrt.errors import EngineDeadError, UnsupportedError
+from llmrt.config import EngineConfig, ParallelConfig
+from llmrt.engine_args import add_engine_arguments
+from llmrt.errors import EngineDeadError, InvalidRequestError, UnsupportedError
+from llmrt.executor import EXECUTORS
 from llmrt.sampling_params import SamplingParams
 from tests.conftest import build_checkpoint
 
@@ -52,6 +55,25 @@ def test_tp2_greedy_tokens_and_logprobs_match_tp1(arch, models):
     ref, _ = _generate(models[arch], 1)
     got, _ = _generate(models[arch], 2)
     _assert_same(ref, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama3", "gpt2"])
+def test_shared_memory_and_gloo_collectives_give_the_same_outputs(arch, models):
+    """Same-host CPU ranks pick the shared-memory all-reduce by themselves; forcing gloo gives the same tokens
+    and logprobs (and both match one rank)."""
+    ref, _ = _generate(models[arch], 1)
+    runs = {}
+    for mode in ("auto", "gloo"):
+        llm = LLM(str(models[arch]), tensor_parallel_size=2, cpu_all_reduce=mode, **OPTS)
+        try:
+            runs[llm.engine.executor.comm.transport] = llm.generate(PROMPTS, GREEDY)
+        finally:
+            llm.shutdown()
+    assert set(runs) == {"shm", "gloo"}
+    _assert_same(ref, runs["shm"])
+    _assert_same(ref, runs["gloo"])
+    _assert_same(runs["gloo"], runs["shm"])
 
 
 @pytest.mark.slow
@@ -226,3 +248,12 @@ def test_plan_counts_rank_bytes_and_estimates_communication(models, capsys):
     assert two["communication"][0]["tp_seconds"] > 0
     assert main(["plan", str(models["llama3"]), "--memory", "1GiB", "--tp", "3"]) == 2
     assert "valid sizes: 1, 2, 4" in capsys.readouterr().err
+
+
+def test_collective_transport_and_executor_flags_are_checked():
+    with pytest.raises(InvalidRequestError, match="cpu_all_reduce must be one of auto, shm, gloo"):
+        ParallelConfig(tensor_parallel_size=2, cpu_all_reduce="tcp")
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    backend = next(a for a in parser._actions if a.dest == "distributed_executor_backend")
+    assert backend.choices == ["auto", *EXECUTORS]  # a registered executor is a valid flag value at once

@@ -185,7 +185,7 @@ def test_stage_counts_that_do_not_split_the_layers_are_refused(models):
 
 def test_micro_batches_cut_by_sequences_and_keep_every_logits_row():
     # two decodes, then a 6-token prefill chunk and a 3-token prompt; rows: samples, then prompt-logprob rows
-    inp = StepInput(list(range(11)), list(range(11)), [[0], [1], [2], [3]], [1, 1, 6, 3], [5, 9, 6, 3], 2,
+    inp = StepInput(list(range(11)), [[0], [1], [2], [3]], [1, 1, 6, 3], [5, 9, 6, 3], 2,
                     [0, 1, 10, 2, 3])
     assert num_micro_batches(0, 2, 4) == 2 and num_micro_batches(0, 4, 3) == 3 and num_micro_batches(5, 2, 9) == 5
     mbs = split_micro_batches(inp, 2)

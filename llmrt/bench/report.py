@@ -7,11 +7,14 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from llmrt.table import Column, update_markdown
+
+if TYPE_CHECKING:
+    import argparse
 
 
 def cpu_model() -> str:
@@ -76,3 +79,30 @@ def write_results(name: str, result: dict[str, Any], out_dir: str = "benchmarks"
 def log(msg: str) -> None:
     """Progress to stderr, so stdout keeps only the report."""
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def add_run_arguments(p: argparse.ArgumentParser, rounds: int = 3) -> None:
+    """The flags every alternating comparison shares: --rounds, --out-dir, --no-save."""
+    p.add_argument("--rounds", type=int, default=rounds, help=f"alternating rounds; best counts (default {rounds})")
+    p.add_argument("--out-dir", default="benchmarks", help="where results go (default benchmarks/)")
+    p.add_argument("--no-save", action="store_true", help="print only; write nothing under --out-dir")
+
+
+def alternate(configs: dict[str, Any], measure: Callable[[Any], dict[str, Any]],
+              rounds: int) -> dict[str, list[dict[str, Any]]]:
+    """Run measure(config) for each config in turn, `rounds` times (so a machine shared with other work skews every
+    config alike); every round's result per config."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    for r in range(max(rounds, 1)):
+        for name, config in configs.items():
+            res = measure(config)
+            log(f"round {r + 1} {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in res.items()
+                                                      if isinstance(v, float)))
+            runs[name].append(res)
+    return runs
+
+
+def best_of(runs: dict[str, list[dict[str, Any]]], key: str, lower: bool = False) -> dict[str, dict[str, Any]]:
+    """Each config's round with the highest (or, `lower`, the lowest) `key`."""
+    pick = min if lower else max
+    return {name: pick(results, key=lambda res: res[key]) for name, results in runs.items()}

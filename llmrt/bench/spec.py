@@ -19,7 +19,8 @@ import time
 from typing import Any, Optional
 
 from llmrt.bench import random_model
-from llmrt.bench.report import load_average, log, machine_info, now_iso, write_results
+from llmrt.bench.report import (add_run_arguments, alternate, best_of, load_average, log, machine_info, now_iso,
+                                write_results)
 from llmrt.bench.prompts import make_prompts, vocab_pool
 from llmrt.table import format_table
 
@@ -38,12 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per request in part 2 (default: --output-len)")
     p.add_argument("--concurrency", type=int, default=32, help="requests at once in part 3 (default 32)")
     p.add_argument("--batch-output-len", type=int, default=64, help="tokens per request in part 3 (default 64)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; best counts (default 3)")
     p.add_argument("--parts", default="copy,ceiling,batch", help="which parts to run (default all three)")
     p.add_argument("--random-model", default="110m", choices=sorted(random_model.SIZES),
                    help="the model of parts 2 and 3 (default 110m)")
-    p.add_argument("--out-dir", default="benchmarks", help="where results go (default benchmarks/)")
-    p.add_argument("--no-save", action="store_true", help="print only; write nothing under --out-dir")
+    add_run_arguments(p)
 
 
 def _spec_counts(llm: Any) -> tuple[int, int, int]:
@@ -74,19 +73,6 @@ def _single_streams(llm: Any, prompts: list[list[int]], params: Any) -> dict[str
             "token_ids": [r["token_ids"][0] for r in runs]}
 
 
-def _alternate(configs: dict[str, Any], measure, rounds: int, better) -> dict[str, dict[str, Any]]:
-    """Run measure(llm) for each config in turn, `rounds` times; keep each config's best run by `better`."""
-    best: dict[str, dict[str, Any]] = {}
-    for r in range(max(rounds, 1)):
-        for name, llm in configs.items():
-            res = measure(llm)
-            log(f"round {r + 1} {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in res.items()
-                                                      if isinstance(v, float)))
-            if name not in best or better(res, best[name]):
-                best[name] = res
-    return best
-
-
 def _acceptance(res: dict[str, Any]) -> dict[str, Optional[float]]:
     return {"acceptance": res["accepted"] / res["proposed"] if res["proposed"] else None,
             "mean_accepted_len": res["accepted"] / res["verify_steps"] if res["verify_steps"] else None}
@@ -103,9 +89,8 @@ def copy_heavy(args: argparse.Namespace) -> dict[str, Any]:
         seed = list(out.prompt_token_ids)
         prompts.append(seed + list(out.outputs[0].token_ids) + seed[1:])  # seed[0] is BOS
     spec = LLM(None, dtype=args.dtype, speculative={"method": "ngram", "num_tokens": args.ngram_k})
-    best = _alternate({"none": plain, f"ngram k={args.ngram_k}": spec},
-                      lambda llm: _single_streams(llm, prompts, params), args.rounds,
-                      lambda a, b: a["tpot_s"] < b["tpot_s"])
+    best = best_of(alternate({"none": plain, f"ngram k={args.ngram_k}": spec},
+                             lambda llm: _single_streams(llm, prompts, params), args.rounds), "tpot_s", lower=True)
     base = best["none"]
     rows = []
     for name, res in best.items():
@@ -126,8 +111,8 @@ def ceiling(args: argparse.Namespace, model: str) -> dict[str, Any]:
     for k in (int(x) for x in args.draft_ks.split(",")):
         configs[f"draft=self k={k}"] = LLM(model, dtype=args.dtype, **kv,
                                           speculative={"method": "draft", "model": model, "num_tokens": k})
-    best = _alternate(configs, lambda llm: _single_streams(llm, prompts, params), args.rounds,
-                      lambda a, b: a["tpot_s"] < b["tpot_s"])
+    best = best_of(alternate(configs, lambda llm: _single_streams(llm, prompts, params), args.rounds), "tpot_s",
+                   lower=True)
     base = best["none"]
     rows = [{"config": name, "tpot_ms": res["tpot_s"] * 1e3, "vs_none": res["tpot_s"] / base["tpot_s"],
              **_acceptance(res), "same_tokens": res["token_ids"] == base["token_ids"]} for name, res in best.items()]
@@ -145,8 +130,7 @@ def compute_bound(args: argparse.Namespace, model: str) -> dict[str, Any]:
     configs = {"none": LLM(model, dtype=args.dtype, max_num_seqs=n, kv_cache_memory=2 * KV_BYTES),
                f"ngram k={args.ngram_k}": LLM(model, dtype=args.dtype, max_num_seqs=n, kv_cache_memory=2 * KV_BYTES,
                                               speculative={"method": "ngram", "num_tokens": args.ngram_k})}
-    best = _alternate(configs, lambda llm: _run(llm, prompts, params), args.rounds,
-                      lambda a, b: a["tok_s"] > b["tok_s"])
+    best = best_of(alternate(configs, lambda llm: _run(llm, prompts, params), args.rounds), "tok_s")
     base = best["none"]
     rows = [{"config": name, "tok_s": res["tok_s"], "vs_none": res["tok_s"] / base["tok_s"],
              "proposed": res["proposed"], **_acceptance(res)} for name, res in best.items()]

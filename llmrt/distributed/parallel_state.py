@@ -9,12 +9,16 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from llmrt.distributed.shm_allreduce import DEFAULT_CAPACITY, ShmAllReduce, host_id, supported_here
 
 logger = logging.getLogger(__name__)
 
@@ -87,21 +91,37 @@ def building_shard(rank: int, size: int, comm: Optional["Communicator"] = None) 
 
 
 class Communicator:
-    """The tensor-parallel group of this process: timed all-reduce and gather-to-rank-0."""
+    """The tensor-parallel group of this process: all-reduce and gather-to-rank-0, over the shared-memory segment
+    when the group has one and the tensor fits, else torch.distributed; timed on rank 0 (where /metrics are read)."""
 
-    def __init__(self, step_group: Optional[dist.ProcessGroup], rank: int, size: int, device: torch.device):
-        # Start-up (loading, profiling) runs on the default group and its long timeout; steps on `step_group`.
+    def __init__(self, step_group: Optional[dist.ProcessGroup], rank: int, size: int, device: torch.device,
+                 shm: Optional[ShmAllReduce] = None, step_timeout_s: float = 0.0):
+        # Start-up (loading, KV sizing) runs on the default group and its long timeout; steps on `step_group`.
         self.group: Optional[dist.ProcessGroup] = None
         self.step_group = step_group
         self.rank, self.size, self.device = rank, size, device
+        self.shm = shm
+        self.step_timeout_s = step_timeout_s
         self.stats = CollectiveStats()
+        # Only global rank 0's figures are read (/metrics); the others (other stages' first TP ranks too) skip timing.
+        self.timed = not dist.is_initialized() or dist.get_rank() == 0
+
+    @property
+    def transport(self) -> str:
+        """What carries the collectives that fit: shm, gloo or nccl."""
+        return "shm" if self.shm is not None else backend_for(self.device)
 
     def use_step_timeout(self) -> None:
-        """From now on collectives fail after the step timeout (called by every rank before its first step)."""
+        """From now on collectives fail after the step timeout (every rank calls it once, after start-up)."""
         self.group = self.step_group
+        if self.shm is not None:
+            self.shm.timeout_s = self.step_timeout_s
 
     @contextlib.contextmanager
     def _timed(self, nbytes: int) -> Iterator[None]:
+        if not self.timed:
+            yield
+            return
         self.stats.calls += 1
         self.stats.bytes += nbytes
         if self.device.type == "cuda":
@@ -118,13 +138,18 @@ class Communicator:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; returns it."""
         with self._timed(t.numel() * t.element_size()):
-            dist.all_reduce(t, group=self.group)
+            if self.shm is not None and self.shm.fits(t):
+                self.shm.all_reduce(t)
+            else:
+                dist.all_reduce(t, group=self.group)
         return t
 
     def gather_to_first(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """Rank 0: every rank's `t` concatenated along the last dim (rank order); other ranks: None."""
-        parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else None
         with self._timed(t.numel() * t.element_size()):
+            if self.shm is not None and self.shm.fits(t):
+                return self.shm.gather_to_first(t)
+            parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else None
             dist.gather(t.contiguous(), parts, group_dst=0, group=self.group)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
@@ -143,6 +168,12 @@ class Communicator:
             s._events = []
         self.stats = CollectiveStats()
         return s
+
+    def close(self) -> None:
+        """Unmap the shared-memory segment (the process group is left by `shutdown_distributed`)."""
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
 
 
 def communicator() -> Optional[Communicator]:
@@ -165,9 +196,11 @@ def backend_for(device: torch.device) -> str:
 STARTUP_TIMEOUT_S = 180.0
 
 
-def init_distributed(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> Communicator:
+def init_distributed(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float,
+                     cpu_all_reduce: str = "auto") -> Communicator:
     """Join the process group and return this rank's communicator. The ranks meet within STARTUP_TIMEOUT_S;
-    every later collective fails after `timeout_s` instead of hanging. One group per process."""
+    every later collective fails after `timeout_s` instead of hanging. One group per process. CPU ranks that
+    all run on this host share a memory segment for their collectives unless `cpu_all_reduce` is gloo."""
     if dist.is_initialized():
         from llmrt.errors import UnsupportedError
 
@@ -176,13 +209,41 @@ def init_distributed(rank: int, size: int, init_method: str, device: torch.devic
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend_for(device)
+    startup = max(timeout_s, STARTUP_TIMEOUT_S)
     dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
-                            timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)),
+                            timeout=datetime.timedelta(seconds=startup),
                             **({"device_id": device} if device.type == "cuda" else {}))
     group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
-    comm = Communicator(group, rank, size, device)
-    logger.info("rank %d of %d joined the %s group", rank, size, backend_for(device))
+    comm = Communicator(group, rank, size, device, step_timeout_s=timeout_s)
+    attach_shared_memory(comm, cpu_all_reduce, None, startup)
+    logger.info("rank %d of %d joined the %s group (collectives over %s)", rank, size, backend, comm.transport)
     return comm
+
+
+def attach_shared_memory(comm: Communicator, mode: str, group: Optional[dist.ProcessGroup],
+                         timeout_s: float) -> None:
+    """Give `comm` its group's shared-memory segment when every rank of `group` (None: the default group) is a CPU
+    rank on this host and `mode` is auto or shm; a collective call of the whole group."""
+    if comm.device.type != "cpu" or mode == "gloo" or comm.size == 1:
+        return
+    hosts: list = [None] * comm.size
+    dist.all_gather_object(hosts, (host_id(), supported_here()), group=group)
+    if not all(h == hosts[0][0] and ok for h, ok in hosts):
+        if mode == "shm":
+            from llmrt.errors import UnsupportedError
+
+            raise UnsupportedError("--cpu-all-reduce shm needs every rank on one x86 host with /dev/shm",
+                                   param="cpu_all_reduce")
+        return
+    path = [str(ShmAllReduce.create_segment(comm.size, DEFAULT_CAPACITY)) if comm.rank == 0 else None]
+    try:
+        dist.broadcast_object_list(path, group=group, group_src=0)
+        comm.shm = ShmAllReduce(Path(path[0]), comm.rank, comm.size, DEFAULT_CAPACITY, timeout_s)
+        dist.barrier(group=group)  # every rank has mapped it: the name can go
+    finally:
+        if comm.rank == 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path[0])
 
 
 def shutdown_distributed() -> None:

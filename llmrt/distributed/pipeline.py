@@ -16,7 +16,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from llmrt.distributed.parallel_state import Communicator, STARTUP_TIMEOUT_S, init_distributed
+from llmrt.distributed.parallel_state import (STARTUP_TIMEOUT_S, Communicator, attach_shared_memory,
+                                             init_distributed)
 
 # Message tags: stage-to-stage activations and logits back to rank 0 travel on separate channels.
 TAG_CARRY, TAG_LOGITS, TAG_TIMES = 1, 2, 3
@@ -150,11 +151,13 @@ class PipeComm:
         return t
 
 
-def join_groups(rank: int, tp: int, pp: int, init_method: str, device: torch.device,
-                timeout_s: float) -> tuple[Optional[Communicator], Optional[PipeComm]]:
+def join_groups(rank: int, tp: int, pp: int, init_method: str, device: torch.device, timeout_s: float,
+                cpu_all_reduce: str = "auto") -> tuple[Optional[Communicator], Optional[PipeComm]]:
     """Join the process group as global `rank` of tp x pp; this rank's tensor-parallel communicator (None at
     tp = 1) and pipeline links (None at pp = 1). Every rank creates every stage's group, in the same order."""
-    world_comm = init_distributed(rank, tp * pp, init_method, device, timeout_s)
+    # The shared-memory segment belongs to the tensor-parallel group: the world's at pp = 1, each stage's below.
+    world_comm = init_distributed(rank, tp * pp, init_method, device, timeout_s,
+                                  cpu_all_reduce if pp == 1 else "gloo")
     if pp == 1:
         return world_comm, None
     stage = rank // tp
@@ -168,13 +171,15 @@ def join_groups(rank: int, tp: int, pp: int, init_method: str, device: torch.dev
                                backend=backend)
         step = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
         if s == stage:
-            tp_comm = Communicator(step, rank % tp, tp, device)
+            tp_comm = Communicator(step, rank % tp, tp, device, step_timeout_s=timeout_s)
             tp_comm.group = start
     world = list(range(tp * pp))
     back_start = dist.new_group(world, timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)),
                                 backend=backend)
     back_step = dist.new_group(world, timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
     pipe = PipeComm(rank, PPStage(stage, pp), tp, device, world_comm.step_group, back_step, back_start)
+    if tp_comm is not None:  # every group exists now: the stage's ranks meet on their own start-up group
+        attach_shared_memory(tp_comm, cpu_all_reduce, tp_comm.group, max(timeout_s, STARTUP_TIMEOUT_S))
     return tp_comm, pipe
 
 

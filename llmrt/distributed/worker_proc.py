@@ -38,21 +38,20 @@ class RankServer:
         device = device or rank_device(config.device, rank)
         pc = config.parallel
         self.comm, self.pipe = join_groups(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
-                                           device, pc.distributed_timeout)
+                                           device, pc.distributed_timeout, pc.cpu_all_reduce)
         self.worker = Worker(config, rank=rank, device=device, comm=self.comm, pipe=self.pipe)
 
     def handle(self, kind: str, arg: Any) -> Any:
         """Run one message from rank 0; the value goes back only for start-up calls."""
         if kind == "step":
-            for c in (self.comm, self.pipe):
-                if c is not None:
-                    c.use_step_timeout()
             self.worker.execute_shard(arg)
-            if self.comm is not None:  # only rank 0's figures are reported; this keeps CUDA events from piling up
-                self.comm.take_stats()
             return None
         if kind == "init_cache":
-            return self.worker.initialize_cache().num_blocks
+            blocks = self.worker.initialize_cache().num_blocks
+            for c in (self.comm, self.pipe):  # start-up's last collectives are done
+                if c is not None:
+                    c.use_step_timeout()
+            return blocks
         if kind == "init_host_cache":
             return self.worker.initialize_host_cache(arg)
         if kind == "param_bytes":
@@ -90,4 +89,6 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, conn: Any, log
             os._exit(19)
         if kind != "step":
             conn.send(("done", result))
+    if server.comm is not None:
+        server.comm.close()
     shutdown_distributed()

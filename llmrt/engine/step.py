@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+import torch
+
 if TYPE_CHECKING:
     from llmrt.distributed.pipeline import StageTimes
     from llmrt.engine.request import Sequence
@@ -72,7 +74,6 @@ class StepInput:
     SchedulerOutput and sends it to the other ranks as the step's one message."""
 
     input_ids: list[int]
-    positions: list[int]
     block_tables: list[list[int]]
     query_lens: list[int]
     seq_lens: list[int]
@@ -80,6 +81,14 @@ class StepInput:
     logits_rows: list[int]  # flat rows whose logits rank 0 needs: sampling, then prompt logprobs, then proposals
     # Block moves rank 0 made since the previous message, one per step, done first and in order.
     block_moves: list["BlockMoves"] = field(default_factory=list)
+
+    def positions(self) -> torch.Tensor:
+        """Each new token's position, sequence by sequence: a span of q new tokens ending at length s holds
+        positions s - q .. s - 1 (derived, so the step's message does not carry them)."""
+        q = torch.tensor(self.query_lens, dtype=torch.long)
+        first = torch.tensor(self.seq_lens, dtype=torch.long) - q
+        starts = torch.cumsum(q, 0) - q
+        return torch.arange(int(q.sum())) + torch.repeat_interleave(first - starts, q)
 
 
 @dataclass

@@ -63,7 +63,8 @@ class DistributedExecutor(Executor):
         set_rank_threads(self.config)
         pc = self.config.parallel
         self.comm, self.pipe = join_groups(0, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
-                                           rank_device(self.config.device, 0), pc.distributed_timeout)
+                                           rank_device(self.config.device, 0), pc.distributed_timeout,
+                                           pc.cpu_all_reduce)
         self.worker = Worker(self.config, rank=0, comm=self.comm, pipe=self.pipe)
         self.worker.model_runner.step_listener = self._send_step
 
@@ -84,6 +85,9 @@ class DistributedExecutor(Executor):
         plan = self.worker.initialize_cache()
         self._collect()
         self._take_stats()  # the profiling pass's collectives are not a step's
+        for c in (self.comm, self.pipe):  # start-up's last collectives are done (the other ranks switch alike)
+            if c is not None:
+                c.use_step_timeout()
         return plan
 
     def initialize_host_cache(self, swap_bytes: int) -> int:
@@ -105,9 +109,6 @@ class DistributedExecutor(Executor):
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         self._check_alive()
-        for c in (self.comm, self.pipe):
-            if c is not None:
-                c.use_step_timeout()
         try:
             out = self.worker.execute(step)  # its step_listener sends the StepInput first
         except RuntimeError as e:  # torch.distributed raises RuntimeError subclasses for failed collectives
@@ -135,4 +136,6 @@ class DistributedExecutor(Executor):
         self._send("step", inp)
 
     def shutdown(self) -> None:
+        if getattr(self, "comm", None) is not None:
+            self.comm.close()
         shutdown_distributed()

@@ -84,7 +84,7 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         self.bind_kv_cache(allocate_kv(num_blocks))
         rows = min(sc.max_num_seqs, num_tokens)
-        inp = StepInput([0] * num_tokens, list(range(num_tokens)), [list(range(num_blocks))], [num_tokens],
+        inp = StepInput([0] * num_tokens, [list(range(num_blocks))], [num_tokens],
                         [num_tokens], 0, list(range(num_tokens - rows, num_tokens)))
 
         def step() -> None:
@@ -190,7 +190,7 @@ class ModelRunner:
 
     def model_inputs(self, inp: StepInput) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Token ids, positions and attention metadata of a flat batch, on this runner's device."""
-        pos = torch.tensor(inp.positions, dtype=torch.long)
+        pos = inp.positions()
         common = build_common_metadata(inp.block_tables, inp.query_lens, inp.seq_lens, pos, inp.num_decodes,
                                        self.block_size, self.device)
         ids = torch.tensor(inp.input_ids, dtype=torch.long, device=self.device)
@@ -210,7 +210,6 @@ class ModelRunner:
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1 and not scoring[id(s)]]
         prefills = [s for s in out.scheduled if s.num_new_tokens > 1 or scoring[id(s)]]
         ids: list[int] = []
-        positions: list[int] = []
         tables: list[list[int]] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
@@ -222,7 +221,6 @@ class ModelRunner:
             start = len(ids)
             # A span with proposals: the sequence's last token, then the proposals to verify.
             ids.extend(seq.token_ids[p0:p0 + n] + item.spec_token_ids)
-            positions.extend(range(p0, p0 + n))
             tables.append(seq.block_ids)
             query_lens.append(n)
             seq_lens.append(p0 + n)
@@ -236,7 +234,7 @@ class ModelRunner:
         num_sample_rows = len(logits_rows)
         logits_rows += [r for _, start, rows in prompt_spans for r in range(start, start + rows)]
         logits_rows += [r for s in spec_items for r in range(last_index[id(s)] - len(s.spec_token_ids), last_index[id(s)] + 1)]
-        inp = StepInput(ids, positions, tables, query_lens, seq_lens, len(decodes), logits_rows)
+        inp = StepInput(ids, tables, query_lens, seq_lens, len(decodes), logits_rows)
         return _Batch(inp, num_sample_rows, sample_items, prompt_spans, spec_items)
 
     def _sampling_metadata(self, items: list[ScheduledSequence]) -> SamplingMetadata:

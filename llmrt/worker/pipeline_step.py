@@ -56,7 +56,7 @@ def split_micro_batches(inp: StepInput, m: int) -> list[MicroBatch]:
     for a, b in zip([0] + cuts, cuts + [n]):
         t0, t1 = starts[a], starts[b]
         slots = [j for j, r in enumerate(inp.logits_rows) if t0 <= r < t1]
-        sub = StepInput(inp.input_ids[t0:t1], inp.positions[t0:t1], inp.block_tables[a:b], inp.query_lens[a:b],
+        sub = StepInput(inp.input_ids[t0:t1], inp.block_tables[a:b], inp.query_lens[a:b],
                         inp.seq_lens[a:b], max(0, min(b, inp.num_decodes) - a),
                         [inp.logits_rows[j] - t0 for j in slots])
         out.append(MicroBatch(sub, slots))

@@ -72,12 +72,12 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Float32 logits for the given hidden states. Tensor parallel: every rank computes its vocabulary
-        slice and rank 0 gathers them (other ranks get None)."""
-        logits = self.lm_head(hidden).float()
+        slice and rank 0 gathers them (other ranks get None) in the model's dtype, cast after (fewer bytes)."""
+        logits = self.lm_head(hidden)
         if self.comm is None:
-            return logits
+            return logits.float()
         logits = self.comm.gather_to_first(logits)
-        return logits[..., :self.lm_head.full_output_sizes[0]] if logits is not None else None
+        return logits[..., :self.lm_head.full_output_sizes[0]].float() if logits is not None else None
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """Per-token KV shape."""
