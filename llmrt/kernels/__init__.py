@@ -54,6 +54,7 @@ class KernelLib:
     linear_fp32: Callable[..., torch.Tensor]
     linear_int8: Callable[..., torch.Tensor]
     linear_int4: Callable[..., torch.Tensor]
+    unpack: Callable[..., None]
     dequantize_int4: Callable[..., None]
 
 
@@ -69,7 +70,7 @@ def build_dir(isa: str) -> Path:
 def _ops(isa: str, path: Path, how: str, seconds: float) -> KernelLib:
     ns = getattr(torch.ops, f"llmrt_{isa}")
     return KernelLib(isa, path, how, seconds, ns.linear_bf16.default, ns.linear_fp32.default,
-                     ns.linear_int8.default, ns.linear_int4.default, ns.dequantize_int4.default)
+                     ns.linear_int8.default, ns.linear_int4.default, ns.unpack.default, ns.dequantize_int4.default)
 
 
 @functools.lru_cache(maxsize=None)

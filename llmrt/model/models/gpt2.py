@@ -63,7 +63,8 @@ class GPT2LMHeadModel(CausalLM):
         self.h = nn.ModuleList(GPT2Block(c, compute_dtype, quant_config) for _ in range(c["n_layer"]))
         self.ln_f = LayerNorm(c["n_embd"], c.get("layer_norm_epsilon", 1e-5))
         self.lm_head = Linear(c["n_embd"], [c["vocab_size"]], False, compute_dtype, parallel="column",
-                              shards=[vocab_shard(c["vocab_size"])])
+                              shards=[vocab_shard(c["vocab_size"])],
+                              quant_config=quant_config.lm_head_config() if quant_config else None)
         self.lm_head.weight = self.wte.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:

@@ -175,10 +175,11 @@ class LlamaForCausalLM(CausalLM):
                  quant_config: Optional[QuantizationConfig] = None):
         super().__init__(hf_config, compute_dtype)
         self.arch = LlamaArch.from_hf(hf_config, architecture)
-        # The LM head stays unquantized (as in vLLM): its logits set every sampling decision.
         self.model = LlamaModel(self.arch, rope_parameters(hf_config), compute_dtype, quant_config)
+        # The LM head in the format the quantization config chooses for it (int8 or the model dtype).
         self.lm_head = Linear(self.arch.hidden, [self.arch.vocab], False, compute_dtype, parallel="column",
-                              shards=[vocab_shard(self.arch.vocab)])
+                              shards=[vocab_shard(self.arch.vocab)],
+                              quant_config=quant_config.lm_head_config() if quant_config else None)
         if self.arch.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
 
