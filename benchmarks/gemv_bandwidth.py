@@ -45,42 +45,47 @@ def baseline_ops(rev: str, isa: str):
     return getattr(torch.ops, ns)
 
 
-def base_calls(ops, fmt: str, w: torch.Tensor) -> tuple[Callable, int]:
-    """(fn(x), weight bytes) for the baseline's API (weights in the checkpoint's [out, in] layout)."""
+def quantized(fmt: str, w: torch.Tensor) -> tuple:
+    """The format's tensors for `w` (quantized once per shape: copies clone them)."""
     if fmt == "bf16":
-        wb = w.bfloat16()
-        return (lambda x: ops.linear_bf16(x, wb, None)), wb.numel() * 2
+        return (w.bfloat16(),)
     if fmt == "fp32":
-        return (lambda x: ops.linear_fp32(x, w, None)), w.numel() * 4
+        return (w,)
     if fmt == "int8":
-        q, s = quantize_int8(w)
-        return (lambda x: ops.linear_int8(x, q, s, None)), q.numel() + s.numel() * 4
+        return quantize_int8(w)
+    return quantize_int4(w, 32)
+
+
+def base_calls(ops, fmt: str, t: tuple) -> tuple[Callable, int]:
+    """(fn(x), weight bytes) for the baseline's API (weights in the checkpoint's [out, in] layout)."""
+    t = tuple(x.clone() for x in t)
+    if fmt in ("bf16", "fp32"):
+        fn = ops.linear_bf16 if fmt == "bf16" else ops.linear_fp32
+        return (lambda x: fn(x, t[0], None)), t[0].numel() * t[0].element_size()
+    if fmt == "int8":
+        return (lambda x: ops.linear_int8(x, t[0], t[1], None)), t[0].numel() + t[1].numel() * 4
     from llmrt.model.quantization.int4 import pack_int4_chunks
 
-    q, sc, z = quantize_int4(w, 32)
-    p, sz = pack_int4_chunks(q), torch.stack([sc, z], -1).bfloat16().contiguous()
+    p, sz = pack_int4_chunks(t[0]), torch.stack([t[1], t[2]], -1).bfloat16().contiguous()
     return (lambda x: ops.linear_int4(x, p, sz, 32, None)), p.numel() + sz.numel() * 2
 
 
-def new_calls(lib: KernelLib, fmt: str, w: torch.Tensor) -> tuple[Callable, int]:
-    """(fn(x), weight bytes) for this tree's kernels, weights prepared the way the linear methods prepare them."""
+def new_calls(lib: KernelLib, fmt: str, t: tuple) -> tuple[Callable, int]:
+    """(fn(x), weight bytes) for this tree's kernels, weights packed the way the linear methods pack them."""
     from llmrt.kernels.packed import PackedLinear
 
-    if fmt in ("bf16", "fp32"):
-        pw = PackedLinear.dense(lib, w.bfloat16() if fmt == "bf16" else w)
-    elif fmt == "int8":
-        q, s = quantize_int8(w)
-        pw = PackedLinear.dense(lib, q, scale=s)
+    if fmt == "int4":
+        pw = PackedLinear.int4(lib, *t, 32, t[0].shape[1])
     else:
-        pw = PackedLinear.int4(lib, *quantize_int4(w, 32), 32, w.shape[1])
+        pw = PackedLinear.dense(lib, t[0], scale=t[1] if fmt == "int8" else None)
     return pw, pw.nbytes
 
 
-def copies(make: Callable[[torch.Tensor], tuple[Callable, int]], n: int, k: int, mib: int) -> tuple[list, int]:
+def copies(make: Callable[[tuple], tuple[Callable, int]], t: tuple, mib: int) -> tuple[list, int]:
     """Enough independent weight copies that cycling through them overflows the caches."""
     fns, total, one = [], 0, 0
     while total < mib << 20:
-        fn, one = make(torch.randn(n, k) * 0.05)
+        fn, one = make(t)
         fns.append(fn)
         total += one
     return fns, one
@@ -101,9 +106,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 4])
     ap.add_argument("--formats", nargs="*", default=list(FORMATS))
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
-    ap.add_argument("--working-set", type=int, default=192, help="MiB of weight copies per shape and format")
+    ap.add_argument("--working-set", type=int, default=96, help="MiB of weight copies per shape and format")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--out", default="benchmarks/gemv-bandwidth")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     isa = kernel_isa()
     base, lib = baseline_ops(args.baseline, isa), load(isa)
@@ -112,8 +120,9 @@ def main() -> None:
     for fmt in args.formats:
         for shape in args.shapes:
             n, k = SHAPES[shape]
-            sets = {"old": copies(lambda w: base_calls(base, fmt, w), n, k, args.working_set),
-                    "new": copies(lambda w: new_calls(lib, fmt, w), n, k, args.working_set)}
+            t = quantized(fmt, torch.randn(n, k) * 0.05)
+            sets = {"old": copies(lambda t: base_calls(base, fmt, t), t, args.working_set),
+                    "new": copies(lambda t: new_calls(lib, fmt, t), t, args.working_set)}
             for rows in args.rows:
                 x = torch.randn(rows, k)
                 x = x.bfloat16() if fmt == "bf16" else x
