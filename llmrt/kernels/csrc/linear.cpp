@@ -311,10 +311,16 @@ void unpack_blocks(const L& l, int64_t blocks, const float* scale, at::Tensor ou
       for (int j = 0; j < NB && b * NB + j < N; ++j) {
         const int64_t n = b * NB + j;
         const float s = scale ? scale[n] : 1.0f;
-        for (int64_t k = 0; k < K; ++k) {
-          const float v = panel[(k / L::KC) * L::KC * NB + j * L::KC + k % L::KC] * s;
-          if (f32) of[n * K + k] = v;
-          else ob[n * K + k] = c10::BFloat16(v);
+        for (int64_t k0 = 0; k0 < K; k0 += L::KC) {  // one chunk: KC contiguous values of row n
+          const float* src = panel.data() + k0 * NB + j * L::KC;
+          const int64_t len = std::min<int64_t>(L::KC, K - k0);
+          if (f32) {
+            float* dst = of + n * K + k0;
+            for (int64_t t = 0; t < len; ++t) dst[t] = src[t] * s;
+          } else {
+            c10::BFloat16* dst = ob + n * K + k0;
+            for (int64_t t = 0; t < len; ++t) dst[t] = c10::BFloat16(src[t] * s);
+          }
         }
       }
     }
