@@ -116,7 +116,8 @@ def _add_bench(bench: argparse.ArgumentParser) -> None:
     from llmrt.bench import parallel as bench_parallel
 
     bp = bench_sub.add_parser("parallel", help="tensor parallelism here: TP=1 vs TP=2 throughput, TPOT, collective "
-                                               "time against the plan estimate, gloo vs shared-memory all-reduce",
+                                               "time against the plan estimate, gloo vs shared-memory all-reduce; "
+                                               "--pp 2: one rank vs TP=2 vs PP=2 with the pipeline bubble",
                               description=bench_parallel.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_parallel.add_arguments(bp)
     bp.set_defaults(func=lambda a: (bench_parallel.run(a), 0)[1])

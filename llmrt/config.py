@@ -153,7 +153,7 @@ class CacheConfig:
     num_gpu_blocks_override: Optional[int] = None  # fix the block count (tests, experiments)
     enable_prefix_caching: bool = True  # reuse the KV of full blocks that earlier requests computed
     swap_space: int = 4 << 30  # bytes of host memory for KV blocks swapped out (preemption_mode swap only)
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; int8 stores per-token, per-head scales beside the blocks
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; int8/fp8 store per-token, per-head scales in the blocks
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -243,6 +243,10 @@ class ParallelConfig:
     """How the model is split over workers; this process's rank within them."""
 
     tensor_parallel_size: int = 1
+    # Contiguous layer stages, each on its own group of tensor_parallel_size ranks.
+    pipeline_parallel_size: int = 1
+    # Micro-batches a pipelined step is split into (by sequences); 0: as many as stages, when there are enough.
+    pipeline_micro_batches: int = 0
     # A name in llmrt.executor.EXECUTORS; auto: "uni" for one rank, "mp" (a process per rank) for more.
     distributed_executor_backend: str = "auto"
     distributed_timeout: float = 20.0  # seconds a collective may wait for the other ranks before failing
@@ -252,6 +256,12 @@ class ParallelConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise InvalidRequestError(f"tensor_parallel_size must be a positive integer, got "
                                       f"{self.tensor_parallel_size!r}", param="tensor_parallel_size")
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            raise InvalidRequestError(f"pipeline_parallel_size must be a positive integer, got "
+                                      f"{self.pipeline_parallel_size!r}", param="pipeline_parallel_size")
+        if not isinstance(self.pipeline_micro_batches, int) or self.pipeline_micro_batches < 0:
+            raise InvalidRequestError(f"pipeline_micro_batches must be 0 (auto) or a positive integer, got "
+                                      f"{self.pipeline_micro_batches!r}", param="pipeline_micro_batches")
         if self.distributed_timeout <= 0:
             raise InvalidRequestError("distributed_timeout must be positive", param="distributed_timeout")
         if self.distributed_executor_backend == "auto":
@@ -262,8 +272,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Workers in all."""
-        return self.tensor_parallel_size
+        """Workers in all: tensor-parallel ranks x pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -306,7 +316,18 @@ class EngineConfig:
 
     def _check_parallel(self) -> None:
         """Refuse a split the model or the other options cannot take, before anything is loaded."""
-        tp = self.parallel.tensor_parallel_size
+        tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
+        if pp > 1:
+            from llmrt.distributed.sizes import check_pipeline_parallel
+
+            check_pipeline_parallel(self.model.hf_config, self.model.architecture, pp)
+            if self.speculative.method == "draft":
+                raise UnsupportedError("a draft model is not split into pipeline stages yet; use "
+                                       "--speculative-method ngram or --pipeline-parallel-size 1",
+                                       param="speculative_method")
+            if self.deterministic:
+                raise UnsupportedError("--deterministic is not checked with pipeline parallelism yet; use "
+                                       "--pipeline-parallel-size 1", param="pipeline_parallel_size")
         if tp == 1:
             return
         from llmrt.distributed.sizes import check_tensor_parallel
@@ -381,7 +402,9 @@ class ServerConfig:
     max_queue_delay_ms: Optional[float] = None  # 429 when the queue would delay a request longer (None: no limit)
     health_step_timeout: float = 30.0  # /health is 503 when no step completes this long while requests pend
     request_timeout: Optional[float] = None  # seconds a request may take unless it sets its own timeout
-    max_body_bytes: int = 10 * 1024 * 1024  # larger bodies are refused (400) before they are parsed
+    # larger bodies are refused (400) before they are parsed; server.middleware.MAX_BODY_BYTES is the same default
+    # (that module is shared with the router, which must not import torch through this one)
+    max_body_bytes: int = 10 * 1024 * 1024
     max_request_tokens: int = 262144  # prompt tokens one request may carry, all its prompts together
     # The bounded pool that tokenizes, renders chat templates and checks grammars: up to 4 threads, leaving a
     # core to the event loop (on 2 cores, 1 thread: more would take the loop's CPU while bodies are tokenized).

@@ -94,8 +94,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "int8 or int4 (from a GGUF, only when the file's output matrix is quantized); none keeps it "
                         "in the model dtype (default: %(default)s)")
     g.add_argument("--kv-cache-dtype", default=default_of(c, "kv_cache_dtype"), choices=list(KV_CACHE_DTYPES),
-                   help="KV-cache storage: auto (the model dtype) or int8 (per-token, per-head scales; about 2x the "
-                        "tokens of bf16 in the same memory); fp8 is refused until built (default: %(default)s)")
+                   help="KV-cache storage: auto (the model dtype), int8 or fp8 (e4m3), both with per-token, per-head "
+                        "scales: about 2x the tokens of bf16 in the same memory; fp8 is converted in software where "
+                        "the device has no fp8 instructions (CPUs, CUDA before sm_89) (default: %(default)s)")
     g.add_argument("--kv-watermark", type=float, default=default_of(s, "kv_watermark"),
                    help="fraction of KV blocks new admissions leave free, so running sequences can grow before "
                         "anyone is preempted (default: %(default)s)")
@@ -107,6 +108,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="split every layer over this many ranks (heads, MLP and vocabulary; one process per rank); "
                         "refused when the model's heads do not divide, or with more ranks than devices (CUDA) or CPU "
                         "cores (gloo) (default: %(default)s)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=default_of(pc, "pipeline_parallel_size"),
+                   help="split the decoder layers into this many contiguous stages, each on its own group of "
+                        "--tensor-parallel-size ranks; activations go stage to stage point to point; refused when "
+                        "the stages do not divide the layers (default: %(default)s)")
+    g.add_argument("--pipeline-micro-batches", type=int, default=default_of(pc, "pipeline_micro_batches"),
+                   help="micro-batches a pipelined step is cut into (by sequences) so stages overlap; 0: one per "
+                        "stage when the step has that many sequences (default: %(default)s)")
     g.add_argument("--distributed-executor-backend", default=default_of(pc, "distributed_executor_backend"),
                    choices=["auto", "uni", "mp", "ray"],
                    help="how ranks run: uni (one rank, in the engine core), mp (a spawned process per rank), ray "
@@ -140,6 +148,7 @@ _ENGINE_KEYS = ("dtype", "device", "attention_backend", "deterministic", "max_mo
                 "scheduling_policy", "short_first_aging_steps", "enable_prefix_caching", "preemption_mode",
                 "swap_space", "kv_watermark", "quantization", "quant_group_size", "lm_head_quantization", "kv_cache_dtype", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
                 "speculative_model", "speculative_max_batch_tokens", "tensor_parallel_size",
+                "pipeline_parallel_size", "pipeline_micro_batches",
                 "distributed_executor_backend", "distributed_timeout")
 
 

@@ -110,6 +110,14 @@ class UnavailableError(LLMRTError):
     code, http_status, retryable, error_type = "unavailable", 503, True, "server_error"
 
 
+class UpstreamTimeoutError(LLMRTError):
+    """A router waited longer than its read timeout for an instance's answer. Not retried by the router: the
+    slowness is most likely the request's own (a long generation without streaming), so another instance would
+    time out too while the first may still be working on it."""
+
+    code, http_status, retryable, error_type = "upstream_timeout", 504, False, "timeout_error"
+
+
 class HardwareFaultError(LLMRTError):
     """The device failed; retry on another instance."""
 
@@ -125,5 +133,5 @@ class CancelledError(LLMRTError):
 ALL_ERRORS: tuple[type[LLMRTError], ...] = (
     InvalidRequestError, ContextLengthExceededError, AuthenticationError, ModelNotFoundError, UnsupportedError,
     ModelLoadError, CapacityExceededError, DeadlineExceededError, OutOfMemoryError, EngineDeadError, DrainingError,
-    UnavailableError, HardwareFaultError, CancelledError,
+    UnavailableError, UpstreamTimeoutError, HardwareFaultError, CancelledError,
 )

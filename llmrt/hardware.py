@@ -271,11 +271,15 @@ def _cpu_support(fmt: str, flags: frozenset[str]) -> tuple[str, str]:
             return NATIVE, ("weight-only int4: torch's packed kernel (bf16 activations) for every step "
                             "(docs/quantization.md)")
         return EMULATED, f"no AVX2: {fmt} weights are dequantized for every matmul (expect slower than float32)"
-    if fmt in ("fp8", "kv:fp8"):
+    if fmt == "fp8":
         return UNSUPPORTED, ("CPUs have no fp8 matmuls; use --quantization int8 (per-channel) or int4 (group-wise) "
-                             "for weights, --kv-cache-dtype int8 for the KV cache; fp8 needs CUDA sm_89+")
+                             "for weights; fp8 weights need CUDA sm_89+")
     if fmt == "kv:int8":
         return NATIVE, "int8 KV blocks with per-token, per-head scales; dequantized in attention"
+    if fmt == "kv:fp8":
+        return EMULATED, ("fp8 (e4m3) KV blocks with per-token, per-head scales, converted in software (CPUs have "
+                          "no fp8 instructions): the same memory as int8 with 3 mantissa bits instead of 7, so "
+                          "--kv-cache-dtype int8 is the better choice here")
     return UNCHECKED, f"{fmt!r} is not in the capability table"
 
 
@@ -298,7 +302,10 @@ def _cuda_support(fmt: str, cap: tuple[int, int]) -> tuple[str, str]:
     if fmt == "kv:int8":
         return NATIVE, "int8 KV blocks with per-token, per-head scales; dequantized in attention"
     if fmt == "kv:fp8":
-        return UNSUPPORTED, "an fp8 KV cache is not built yet; use --kv-cache-dtype int8"
+        if sm >= 89:
+            return NATIVE, "fp8 (e4m3) KV blocks with per-token, per-head scales; dequantized in attention"
+        return EMULATED, (f"sm_{sm} has no fp8 conversion instructions: fp8 KV blocks are converted in software; "
+                          "--kv-cache-dtype int8 takes the same memory")
     return UNCHECKED, f"{fmt!r} is not in the capability table"
 
 

@@ -30,13 +30,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lm-head-quantization", default="auto", choices=["auto", "int8", "none"],
                    help="the LM head's format, as `serve`: auto is int8 with --quantization int8/int4 "
                         "(default: %(default)s)")
-    p.add_argument("--kv-cache-dtype", default=default_of(CacheConfig, "kv_cache_dtype"), choices=["auto", "int8"],
-                   help="KV-cache storage, as `serve`: auto (--kv-dtype) or int8 with per-token scales "
+    p.add_argument("--kv-cache-dtype", default=default_of(CacheConfig, "kv_cache_dtype"), choices=["auto", "int8", "fp8"],
+                   help="KV-cache storage, as `serve`: auto (--kv-dtype), int8 or fp8 with per-token scales "
                         "(default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the model is split over (default: 1)")
     p.add_argument("--pp", type=int, default=1,
-                   help="pipeline stages (contiguous layers) for the communication estimate; memory per rank "
-                        "divides weights and KV layers by it (default: 1)")
+                   help="pipeline stages (contiguous layers); memory per rank counts the heaviest stage's real "
+                        "weights (embedding on the first, norm + LM head on the last) and one stage's KV layers, "
+                        "and the communication estimate adds the stage-to-stage sends and the bubble (default: 1)")
     p.add_argument("--interconnect", type=parse_rate, default=None,
                    help="link bandwidth between ranks, e.g. 50GB/s (NVLink ~450GB/s, PCIe 4 x16 ~25GB/s, "
                         "100 Gb Ethernet ~12GB/s); prints the communication estimate (default: 50GB/s when "
@@ -87,10 +88,10 @@ def build_plan(args: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
         raise InvalidRequestError("--tp must be >= 1", param="tp")
     if args.pp < 1:
         raise InvalidRequestError("--pp must be >= 1", param="pp")
-    if args.tp > 1:
-        from llmrt.distributed.sizes import check_tensor_parallel
+    from llmrt.distributed.sizes import check_pipeline_parallel, check_tensor_parallel
 
-        check_tensor_parallel(hf, (hf.get("architectures") or [""])[0], args.tp)
+    check_tensor_parallel(hf, (hf.get("architectures") or [""])[0], args.tp)
+    check_pipeline_parallel(hf, (hf.get("architectures") or [""])[0], args.pp)
     try:
         contexts = tuple(int(c) for c in str(args.context).split(",") if c.strip())
     except ValueError:
@@ -187,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         {"item": "device memory x utilization", "GiB": gib(usable), "detail": f"{args.memory} B x {args.gpu_memory_utilization}"},
         {"item": "weights", "GiB": gib(plan.weights_bytes),
-         "detail": f"per rank, tp={args.tp}, {settings['dtype']}"
+         "detail": f"per rank, tp={args.tp}" + (f", heaviest of pp={args.pp} stages" if args.pp > 1 else "")
+                   + f", {settings['dtype']}"
                    + (f", decoder layers {args.quantization}" if args.quantization else "")
                    + (f", LM head {settings['lm_head_quantization']}" if args.quantization else "")},
         {"item": "activation peak", "GiB": gib(plan.activation_peak_bytes),

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Iterable, Sequence, Union
 
 Column = Union[str, tuple[str, str]]  # a key, or (key, header)
 

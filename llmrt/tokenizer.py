@@ -42,7 +42,9 @@ class Tokenizer:
         else:
             self._decode = lambda ids, skip: hf_tokenizer.decode(ids, skip_special_tokens=skip)
             self.special_ids = frozenset(hf_tokenizer.all_special_ids)
-        self.byte_token_ids: frozenset[int] = _byte_fallback_ids(hf_tokenizer)
+        # sentencepiece byte-fallback tokens <0x00>..<0xFF>: id -> the byte it stands for (logprobs show it)
+        self.byte_values: dict[int, int] = _byte_fallback_values(hf_tokenizer)
+        self.byte_token_ids: frozenset[int] = frozenset(self.byte_values)
 
     @property
     def hf(self) -> PreTrainedTokenizerBase:
@@ -147,13 +149,13 @@ def _content_text(message: dict[str, Any], i: int) -> str:
     )
 
 
-def _byte_fallback_ids(hf: PreTrainedTokenizerBase | RustTokenizerFiles) -> frozenset[int]:
-    """Ids of sentencepiece byte-fallback tokens <0x00>..<0xFF>, or none when the vocab lacks any of them."""
+def _byte_fallback_values(hf: PreTrainedTokenizerBase | RustTokenizerFiles) -> dict[int, int]:
+    """Id -> byte of the sentencepiece byte-fallback tokens <0x00>..<0xFF>; empty when the vocab lacks any."""
     pieces = [f"<0x{b:02X}>" for b in range(256)]
     ids = hf.convert_tokens_to_ids(pieces)
     if any(i is None or i == hf.unk_token_id for i in ids) or hf.convert_ids_to_tokens(ids) != pieces:
-        return frozenset()
-    return frozenset(ids)
+        return {}
+    return {i: b for b, i in enumerate(ids)}
 
 
 def load_tokenizer(path: str, chat_template: str | None = None) -> Tokenizer:

@@ -86,3 +86,15 @@ def test_cpu_kv_cache_is_zeroed_memory_taken_on_first_touch():
         assert not k.any() and not v.any()
         k[3] = 1
         assert int(k.count_nonzero()) == k[3].numel() and not v.any()
+    # "on first touch": a 256 MiB cache adds next to nothing to the resident set until blocks are written
+    # (torch.zeros would add all of it); writing one layer's K adds about that layer's K.
+    import psutil
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    layers = allocate_kv(KVCacheSpec(4, 8, 64), 1024, 16, torch.float32, "auto", torch.device("cpu"))
+    size = sum(t.numel() * t.element_size() for kv in layers for t in kv)
+    assert size == 256 << 20  # 4 layers x (K, V): one layer's K is an eighth
+    assert proc.memory_info().rss - before < size // 16
+    layers[0][0].fill_(1.0)
+    grown = proc.memory_info().rss - before
+    assert size // 8 * 0.9 < grown < size // 8 + size // 16

@@ -92,7 +92,7 @@ def test_priority_preempts_a_lower_priority_running_request():
     step(s)
     step(s)
     assert [q.request.request_id for q in s.running] == ["low"]
-    high = add(s, "high", 6, 3, priority=0)
+    add(s, "high", 6, 3, priority=0)
     out = step(s)
     assert [item.seq.request.request_id for item in out.scheduled] == ["high"]
     assert low.num_preemptions == 1 and out.num_preempted == 1

@@ -207,15 +207,17 @@ def test_engine_allocation_matches_plan_with_int8_kv(embedded_model_dir):
     assert "int8 + float32 scale" in llm.engine.memory.describe()
 
 
-def test_int8_kv_survives_swap_and_prefix_reuse(embedded_model_dir):
-    """Preempted-and-swapped sequences and prefix-cache hits read back the same int8 rows and scales."""
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_8bit_kv_survives_swap_and_prefix_reuse(embedded_model_dir, kv):
+    """Preempted-and-swapped sequences and prefix-cache hits read back the same 8-bit rows and scales."""
     params = SamplingParams(max_tokens=40, temperature=0)
     prompts = ["Once upon a time, there was a little dog", "Once upon a time, there was a little cat",
                "One day, Lily went to the park", "The sun was shining and"]
-    roomy = LLM(kv_cache_dtype="int8", num_gpu_blocks_override=200, block_size=4)
+    roomy = LLM(kv_cache_dtype=kv, num_gpu_blocks_override=200, block_size=4)
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
-    tight = LLM(kv_cache_dtype="int8", num_gpu_blocks_override=30, block_size=4, preemption_mode="swap")
+    tight = LLM(kv_cache_dtype=kv, num_gpu_blocks_override=30, block_size=4, preemption_mode="swap")
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
+    assert tight.engine.scheduler.num_preemptions_total > 0  # the tight cache did preempt
     assert got == want
     again = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]  # prefix-cache hits
     assert again == want

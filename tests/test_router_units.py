@@ -178,3 +178,13 @@ def test_ray_replica_host_is_the_node_ip_only_on_a_joined_cluster():
     assert replica_host("127.0.0.1", True, node_ip) == "127.0.0.1" and len(asked) == 1
     assert replica_host("::1", False, node_ip) == "::1"
 
+
+
+def test_the_router_does_not_import_torch_or_fastapi():
+    """`llmrt route` is a proxy: importing torch (~2-5 s, ~300 MB) or FastAPI would only slow its start."""
+    import subprocess
+    import sys
+    code = ("import sys, llmrt.router.app, llmrt.router.launch, llmrt.router.instances; "
+            "print(sorted(m for m in ('torch', 'fastapi', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

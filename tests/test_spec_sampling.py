@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 
-from conftest import build_checkpoint
 from llmrt import LLM, SamplingParams
 from llmrt.config import EngineConfig
 from llmrt.engine.async_llm import AsyncLLM

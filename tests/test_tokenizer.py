@@ -108,6 +108,7 @@ def test_stories260k(load):
     tok = load("stories260K")
     assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_id) == (512, 1, 2)
     assert len(tok.byte_token_ids) == 256
+    assert all(tok.hf.convert_ids_to_tokens(i) == f"<0x{b:02X}>" for i, b in tok.byte_values.items())
     ids = tok.encode("Once upon a time")
     assert ids[0] == 1 and tok.decode(ids) == "Once upon a time"
 
@@ -405,3 +406,17 @@ def test_detokenizer_window_stays_small(load, name):
             biggest = max(biggest, len(detok._window))
         assert biggest <= 2 * 256 + 5
         assert detok.output_text + detok.flush() == context_decode(tok, tok.encode("Start:"), out, True)
+
+
+def test_byte_token_logprob_names_need_no_transformers():
+    """A logprob entry for a byte-fallback token names its byte from the Rust tokenizer alone: building the
+    transformers tokenizer there (seconds, on the first such request) would stall the server."""
+    from llmrt.server.logprobs import TokenTexts
+    from llmrt.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(PATHS["stories260K"]))  # a fresh one: the session's may have built it already
+    byte_80 = next(i for i, b in tok.byte_values.items() if b == 0x80)
+    byte_41 = next(i for i, b in tok.byte_values.items() if b == 0x41)
+    entries = TokenTexts(tok).entries(tok.encode("Once"), [byte_80], [{byte_80: -0.5, byte_41: -1.0}], 2)
+    assert entries[0].text == "bytes:\\x80" and entries[0].alts[0][0] == "bytes:\\x80"
+    assert tok._base._hf is None  # the transformers tokenizer was never built

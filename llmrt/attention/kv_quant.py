@@ -1,8 +1,10 @@
-"""The KV cache's storage format: the model dtype, or int8 with one float32 scale per token and head.
+"""The KV cache's storage format: the model dtype, or 8-bit values with one float32 scale per token and head.
 
-An int8 block row is [head_dim int8 values | 4 bytes of the float32 scale], so the scales live in the same
-block tensors as the values: block copies (copy-on-write), swap to host and back, and prefix-cache reuse all
-carry them with no code of their own.
+An 8-bit block row is [head_dim values | 4 bytes of the float32 scale], so the scales live in the same block
+tensors as the values: block copies (copy-on-write), swap to host and back, and prefix-cache reuse all carry
+them with no code of their own. The values are int8 (symmetric, scale = max|x| / 127; the cache tensor's dtype
+is int8) or fp8 e4m3 (scale = max|x| / 448; stored as uint8 bytes, because index_copy_ and cat do not take
+float8 tensors on every device, and viewed as float8_e4m3fn to convert). Attention dequantizes what it reads.
 """
 from __future__ import annotations
 
@@ -18,18 +20,21 @@ if TYPE_CHECKING:
     from llmrt.model.models.base import KVCacheSpec
 
 _SCALE_BYTES = 4
+_STORAGE = {"int8": torch.int8, "fp8": torch.uint8}  # the cache tensor's dtype says which format it holds
+_E4M3_MAX = 448.0
 
 
 def kv_storage(head_dim: int, model_dtype: torch.dtype, kv_cache_dtype: str) -> tuple[torch.dtype, int]:
     """(element dtype, stored last dim) of one token-head row of the cache."""
     if kv_cache_dtype == "auto":
         return model_dtype, head_dim
-    if kv_cache_dtype == "int8":
+    if kv_cache_dtype in _STORAGE:
         if head_dim % _SCALE_BYTES:
-            raise UnsupportedError(f"--kv-cache-dtype int8 needs a head_dim divisible by 4 (this model's is "
-                                   f"{head_dim}); use --kv-cache-dtype auto", param="kv_cache_dtype")
-        return torch.int8, head_dim + _SCALE_BYTES
-    raise UnsupportedError(f"kv_cache_dtype {kv_cache_dtype!r} is not built; use auto or int8", param="kv_cache_dtype")
+            raise UnsupportedError(f"--kv-cache-dtype {kv_cache_dtype} needs a head_dim divisible by 4 (this "
+                                   f"model's is {head_dim}); use --kv-cache-dtype auto", param="kv_cache_dtype")
+        return _STORAGE[kv_cache_dtype], head_dim + _SCALE_BYTES
+    raise UnsupportedError(f"kv_cache_dtype {kv_cache_dtype!r} is not built; use auto, int8 or fp8",
+                           param="kv_cache_dtype")
 
 
 def kv_bytes_per_token(spec: "KVCacheSpec", model_dtype: torch.dtype, kv_cache_dtype: str) -> int:
@@ -63,20 +68,29 @@ def _zeroed_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
 
 
 def is_quantized(cache: torch.Tensor) -> bool:
-    """True for an int8 cache (values + scales in each row)."""
-    return cache.dtype == torch.int8
+    """True for an 8-bit cache (int8 or fp8 values + scales in each row)."""
+    return cache.dtype in (torch.int8, torch.uint8)
 
 
-def quantize_kv(x: torch.Tensor) -> torch.Tensor:
-    """[tokens, heads, dim] float -> [tokens, heads, dim + 4] int8 rows, symmetric per token and head."""
+def quantize_kv(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """[tokens, heads, dim] float -> [tokens, heads, dim + 4] rows of `storage` (the cache's dtype: int8, or
+    uint8 holding fp8 e4m3), one scale per token and head."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-8)
-    q = torch.round(xf / scale).clamp(-127, 127).to(torch.int8)
-    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    if storage == torch.int8:
+        scale = (amax / 127.0).clamp(min=1e-8)
+        q = torch.round(xf / scale).clamp(-127, 127).to(torch.int8)
+    else:
+        scale = (amax / _E4M3_MAX).clamp(min=1e-8)
+        q = (xf / scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([q, scale.view(q.dtype)], dim=-1)
 
 
 def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., heads, dim + 4] int8 rows -> [..., heads, dim] in `dtype`."""
+    """[..., heads, dim + 4] 8-bit rows -> [..., heads, dim] in `dtype`."""
     dim = rows.shape[-1] - _SCALE_BYTES
     scale = rows[..., dim:].contiguous().view(torch.float32)
-    return (rows[..., :dim].to(torch.float32) * scale).to(dtype)
+    values = rows[..., :dim]
+    if rows.dtype == torch.uint8:
+        values = values.contiguous().view(torch.float8_e4m3fn)
+    return (values.to(torch.float32) * scale).to(dtype)

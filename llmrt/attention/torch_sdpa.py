@@ -102,7 +102,7 @@ class TorchAttentionBackend(AttentionBackend):
         heads, stored = layer.num_kv_heads, k_cache.shape[-1]
         block_size = k_cache.shape[1]
         if is_quantized(k_cache):
-            kq, vq = quantize_kv(k), quantize_kv(v)
+            kq, vq = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
             k_cache.view(-1, heads, stored).index_copy_(0, meta.slot_mapping, kq)
             v_cache.view(-1, heads, stored).index_copy_(0, meta.slot_mapping, vq)
             if meta.prefills:
@@ -153,5 +153,5 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _read(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered cache rows as `dtype` K/V (dequantized when the cache is int8)."""
+    """Gathered cache rows as `dtype` K/V (dequantized when the cache is int8 or fp8)."""
     return dequantize_kv(rows, dtype) if is_quantized(rows) else rows

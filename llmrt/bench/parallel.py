@@ -26,6 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register the `bench parallel` flags on p."""
     p.add_argument("--random-model", default="110m", choices=sorted(random_model.SIZES), help="default 110m")
     p.add_argument("--tp", type=int, default=2, help="ranks of the split engine (default 2)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages: with > 1, compare one rank, TP=--tp and PP=--pp instead (bubble, p2p "
+                        "bytes; llmrt/bench/pipeline.py, benchmarks/parallel_pp.*) (default 1)")
+    p.add_argument("--micro-batches", type=int, default=0,
+                   help="micro-batches per pipelined step; 0: one per stage when there are enough sequences (default 0)")
     p.add_argument("--num-prompts", type=int, default=16, help="requests in the batch run (default 16)")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request (default 64)")
@@ -65,7 +70,11 @@ def _measure(llm: Any, batch: list[list[int]], single: list[int], output_len: in
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the comparison, print it, write benchmarks/parallel.{json,md}."""
+    """Run the comparison, print it, write benchmarks/parallel.{json,md} (with --pp > 1: the pipeline one)."""
+    if args.pp > 1:
+        from llmrt.bench.pipeline import run as run_pipeline
+
+        return run_pipeline(args)
     from llmrt import LLM
     from llmrt.bench.allreduce_probe import probe
     from llmrt.distributed.comm_model import Device, Link, estimate_step

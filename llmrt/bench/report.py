@@ -7,11 +7,11 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from llmrt.table import Column, markdown_table, update_markdown
+from llmrt.table import Column, update_markdown
 
 
 def cpu_model() -> str:

@@ -3,8 +3,9 @@
 Tensor parallel: every forward pass all-reduces the hidden state of each token once after the embedding and
 twice per layer (attention output, MLP output), and rank 0 gathers the other ranks' logits for the sampled
 rows. A ring all-reduce of n bytes over p ranks costs 2(p-1) latencies and moves 2(p-1)/p * n bytes per rank.
-Pipeline parallel: each stage boundary sends one hidden state per token (latency + bytes / bandwidth), and a
-step of m micro-batches leaves (pp-1)/(m+pp-1) of every stage idle (the bubble).
+Pipeline parallel: each stage boundary sends one hidden state per token (two for the Llama family: hidden and
+residual; latency + bytes / bandwidth), the last stage sends the sampled rows' float32 logits back to rank 0,
+and a step of m micro-batches leaves (pp-1)/(m+pp-1) of every stage idle (the bubble).
 Compute is bounded below by reading the rank's weights once (memory bandwidth) and by 2 FLOPs per parameter per
 token (device FLOP/s); the estimate takes the larger.
 """
@@ -89,8 +90,10 @@ def estimate_step(hf_config: dict[str, Any], *, tp: int, pp: int, link: Link, de
     bubble = 0.0
     if pp > 1:
         m = max(1, micro_batches)
-        pp_s = (pp - 1) * m * link.send(row / m)
-        pp_bytes = (pp - 1) * row
+        carry = row * (1 if "n_embd" in c else 2)  # the Llama family also hands on its residual stream
+        logits = sampled_rows * vocab * 4  # float32 logits from the last stage back to rank 0, which samples
+        pp_s = (pp - 1) * m * link.send(carry / m) + link.send(logits)
+        pp_bytes = (pp - 1) * carry + logits
         bubble = (pp - 1) / (m + pp - 1)
     return StepEstimate(tokens, sampled_rows, compute, tp_s, pp_s, bubble,
                         (tp_bytes + pp_bytes) / max(tokens, 1))

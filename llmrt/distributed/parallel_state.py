@@ -125,7 +125,7 @@ class Communicator:
         """Rank 0: every rank's `t` concatenated along the last dim (rank order); other ranks: None."""
         parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else None
         with self._timed(t.numel() * t.element_size()):
-            dist.gather(t.contiguous(), parts, dst=0, group=self.group)
+            dist.gather(t.contiguous(), parts, group_dst=0, group=self.group)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def all_min(self, value: int) -> int:

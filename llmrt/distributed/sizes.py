@@ -45,3 +45,21 @@ def check_tensor_parallel(hf_config: dict[str, Any], architecture: str, tp: int)
             f"{dims.kv_heads} KV heads and an MLP width of {dims.intermediate} (every rank needs a whole share of "
             f"the heads and the MLP, and the KV heads must divide or be divided by the ranks); valid sizes: "
             f"{', '.join(map(str, dims.valid_sizes()))}", param="tensor_parallel_size")
+
+
+def num_layers(hf_config: dict[str, Any]) -> int:
+    """Decoder layers of an HF config (Llama family or GPT-2)."""
+    return int(hf_config.get("num_hidden_layers") or hf_config["n_layer"])
+
+
+def check_pipeline_parallel(hf_config: dict[str, Any], architecture: str, pp: int) -> None:
+    """Refuse a stage count that does not cut the layers into equal contiguous stages, naming the valid ones."""
+    if pp == 1:
+        return
+    layers = num_layers(hf_config)
+    if pp > layers or layers % pp:
+        valid = [n for n in range(1, layers + 1) if layers % n == 0]
+        raise UnsupportedError(
+            f"--pipeline-parallel-size {pp} does not split this model: it has {layers} decoder layers (every stage "
+            f"needs the same whole number of layers); valid sizes: {', '.join(map(str, valid))}",
+            param="pipeline_parallel_size")

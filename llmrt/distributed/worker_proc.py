@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from llmrt.config import EngineConfig
-from llmrt.distributed.parallel_state import init_distributed, rank_device, shutdown_distributed
+from llmrt.distributed.parallel_state import rank_device, shutdown_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -31,20 +31,25 @@ class RankServer:
     """One rank's worker and the handling of rank 0's messages (shared by the process and Ray backends)."""
 
     def __init__(self, config: EngineConfig, rank: int, init_method: str, device: Optional[torch.device] = None):
+        from llmrt.distributed.pipeline import join_groups
         from llmrt.worker.worker import Worker
 
         set_rank_threads(config)
         device = device or rank_device(config.device, rank)
-        self.comm = init_distributed(rank, config.parallel.world_size, init_method, device,
-                                     config.parallel.distributed_timeout)
-        self.worker = Worker(config, rank=rank, device=device, comm=self.comm)
+        pc = config.parallel
+        self.comm, self.pipe = join_groups(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
+                                           device, pc.distributed_timeout)
+        self.worker = Worker(config, rank=rank, device=device, comm=self.comm, pipe=self.pipe)
 
     def handle(self, kind: str, arg: Any) -> Any:
         """Run one message from rank 0; the value goes back only for start-up calls."""
         if kind == "step":
-            self.comm.use_step_timeout()
+            for c in (self.comm, self.pipe):
+                if c is not None:
+                    c.use_step_timeout()
             self.worker.execute_shard(arg)
-            self.comm.take_stats()  # only rank 0's figures are reported; this keeps CUDA events from piling up
+            if self.comm is not None:  # only rank 0's figures are reported; this keeps CUDA events from piling up
+                self.comm.take_stats()
             return None
         if kind == "init_cache":
             return self.worker.initialize_cache().num_blocks

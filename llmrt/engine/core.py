@@ -12,6 +12,7 @@ import torch
 
 from llmrt.config import EngineConfig
 from llmrt.distributed.parallel_state import CollectiveTotals
+from llmrt.distributed.pipeline import PipelineTotals
 from llmrt.engine.kv_cache import BlockManager, HostBlockPool
 from llmrt.engine.messages import EngineCoreOutput, EngineLimits, EngineStats
 from llmrt.engine.request import Request
@@ -77,6 +78,8 @@ class EngineCore:
         self.spec_verify_steps = 0
         self.spec_propose_seconds = 0.0
         self.collectives = CollectiveTotals() if config.parallel.world_size > 1 else None
+        pp = config.parallel.pipeline_parallel_size
+        self.pipeline = PipelineTotals.of(pp) if pp > 1 else None
 
     @property
     def max_model_len(self) -> int:
@@ -151,6 +154,8 @@ class EngineCore:
         if self.collectives is not None:
             self.collectives.observe(result.collective_seconds, result.collective_bytes, step_seconds,
                                      sched.num_batched_tokens)
+        if self.pipeline is not None:
+            self.pipeline.observe(result.stage_times)
         self.last_step_tokens = sched.num_batched_tokens
         self.last_step_seqs = len(sched.scheduled)
         if result.spec is not None:
@@ -178,12 +183,14 @@ class EngineCore:
                            **self._collective_stats())
 
     def _collective_stats(self) -> dict[str, Any]:
-        c = self.collectives
+        c, p = self.collectives, self.pipeline
         if c is None:
             return {}
+        pipe = {} if p is None else dict(pipeline_wait_seconds=list(p.wait), pipeline_stage_seconds=list(p.total),
+                                         pipeline_steps=p.steps)
         return dict(collective_bucket_counts=list(c.bucket_counts), collective_seconds=c.seconds,
                     collective_steps=c.steps, collective_step_seconds=c.step_seconds, collective_bytes=c.bytes,
-                    collective_tokens=c.tokens)
+                    collective_tokens=c.tokens, **pipe)
 
 
 def validate_request(prompt: list[int], params: SamplingParams, limits: EngineLimits) -> int:

@@ -124,8 +124,10 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
                 quantization: Optional[str] = None, quant_group_size: int = 32,
                 kv_cache_dtype: str = "auto", pp: int = 1, lm_head_quantization: str = "auto") -> MemoryPlan:
     """The per-device memory split for a model config on a device of `memory_bytes`, without any weights.
-    With `pp` pipeline stages a rank holds about 1/pp of the layers (an estimate: the embedding and LM head
-    sit on the end stages)."""
+    With `pp` pipeline stages every stage's rank-0 shard is built on the meta device as the engine builds it (its
+    layers; the embedding on the first stage, the norm and LM head on the last): weights are the heaviest
+    stage's, KV per token counts one stage's layers, and the blocks are what that stage leaves (the engine takes
+    the smallest block count over the ranks)."""
     from dataclasses import replace
 
     from llmrt.attention.kv_quant import kv_bytes_per_token
@@ -141,12 +143,17 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
     lm_head = resolve_lm_head(lm_head_quantization, quantization)
     quant = get_quantization_config(quantization, {"group_size": quant_group_size, "lm_head": lm_head,
                                                    "checkpoint": hf_config.get("quantization_config")})
-    with building_shard(0, tp):  # rank 0's shard: split layers at 1/tp, norms (and few KV heads) replicated
-        model = build_model(hf_config, arch, dtype, dtype, "meta", quant)
-    spec = model.kv_cache_spec()
-    per_token = kv_bytes_per_token(replace(spec, num_layers=-(-spec.num_layers // pp)), kv_dtype or dtype,
-                                   kv_cache_dtype)
-    weights = _planned_weight_bytes(model, quant) // pp
+    from llmrt.distributed.pipeline import building_stage
+
+    weights, spec = 0, None
+    for stage in range(pp):
+        # rank 0's shard of each stage: split layers at 1/tp, norms (and few KV heads) replicated
+        with building_shard(0, tp), building_stage(stage, pp):
+            model = build_model(hf_config, arch, dtype, dtype, "meta", quant)
+        weights = max(weights, _planned_weight_bytes(model, quant))
+        spec = spec or model.kv_cache_spec()
+    assert spec is not None
+    per_token = kv_bytes_per_token(spec, kv_dtype or dtype, kv_cache_dtype)
     limit = max_model_len or context_limit(hf_config)
     tokens = min(max_num_batched_tokens, limit)
     activation = estimate_activation_peak(hf_config, tokens, min(max_num_seqs, tokens), dtype,

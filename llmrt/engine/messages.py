@@ -84,6 +84,11 @@ class EngineStats:
     collective_step_seconds: float = 0.0
     collective_bytes: int = 0
     collective_tokens: int = 0
+    # Pipeline parallelism, cumulative over steps, per stage: seconds waiting for another stage (the bubble) and
+    # seconds in the step in all, and the steps that reported. Empty/zero with one stage.
+    pipeline_wait_seconds: list[float] = field(default_factory=list)
+    pipeline_stage_seconds: list[float] = field(default_factory=list)
+    pipeline_steps: int = 0
 
     @classmethod
     def idle(cls, num_blocks: int) -> "EngineStats":

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
+    from llmrt.distributed.pipeline import StageTimes
     from llmrt.engine.request import Sequence
 
 
@@ -51,6 +52,8 @@ class ModelRunnerOutput:
     # Tensor parallel: rank 0's time inside collectives this step and the bytes it sent into them.
     collective_seconds: float = 0.0
     collective_bytes: int = 0
+    # Pipeline parallel: each stage's seconds waiting for another stage and in all this step (rank 0's first).
+    stage_times: list["StageTimes"] = field(default_factory=list)
 
 
 @dataclass

@@ -4,12 +4,13 @@ from __future__ import annotations
 import logging
 import os
 from abc import abstractmethod
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from llmrt.config import EngineConfig
-from llmrt.distributed.parallel_state import Communicator, init_distributed, rank_device, shutdown_distributed
+from llmrt.distributed.parallel_state import Communicator, rank_device, shutdown_distributed
+from llmrt.distributed.pipeline import PipeComm, join_groups
 from llmrt.distributed.worker_proc import set_rank_threads
 from llmrt.engine.memory_plan import MemoryPlan
 from llmrt.engine.step import BlockMoves, ModelRunnerOutput, SchedulerOutput, StepInput
@@ -36,8 +37,8 @@ def check_ranks_fit(config: EngineConfig) -> None:
                                    f"{torch.cuda.device_count()} CUDA device(s)", param="tensor_parallel_size")
     elif world > usable_cores():
         raise UnsupportedError(f"{world} CPU ranks need at least {world} CPU cores, but this process may use "
-                               f"{usable_cores()}; use --tensor-parallel-size {usable_cores()} or fewer",
-                               param="tensor_parallel_size")
+                               f"{usable_cores()}; use --tensor-parallel-size x --pipeline-parallel-size = "
+                               f"{usable_cores()} or fewer", param="tensor_parallel_size")
 
 
 class DistributedExecutor(Executor):
@@ -50,7 +51,8 @@ class DistributedExecutor(Executor):
         self._check_ranks_fit()
         self._pending_moves: list[BlockMoves] = []
         self.worker: Worker
-        self.comm: Communicator
+        self.comm: Optional[Communicator]  # this stage's tensor-parallel group (None at tp = 1)
+        self.pipe: Optional[PipeComm] = None  # links to the other pipeline stages (None at pp = 1)
 
     def _check_ranks_fit(self) -> None:
         """Refuse more ranks than this machine has devices or cores for (all ranks run here)."""
@@ -59,9 +61,10 @@ class DistributedExecutor(Executor):
     def _start_rank0(self, init_method: str) -> None:
         """Join the group as rank 0 and load rank 0's shard (the other ranks must be starting already)."""
         set_rank_threads(self.config)
-        self.comm = init_distributed(0, self.config.parallel.world_size, init_method,
-                                     rank_device(self.config.device, 0), self.config.parallel.distributed_timeout)
-        self.worker = Worker(self.config, rank=0, comm=self.comm)
+        pc = self.config.parallel
+        self.comm, self.pipe = join_groups(0, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
+                                           rank_device(self.config.device, 0), pc.distributed_timeout)
+        self.worker = Worker(self.config, rank=0, comm=self.comm, pipe=self.pipe)
         self.worker.model_runner.step_listener = self._send_step
 
     @abstractmethod
@@ -80,7 +83,7 @@ class DistributedExecutor(Executor):
         self._send("init_cache", None)
         plan = self.worker.initialize_cache()
         self._collect()
-        self.comm.take_stats()  # the profiling pass's collectives are not a step's
+        self._take_stats()  # the profiling pass's collectives are not a step's
         return plan
 
     def initialize_host_cache(self, swap_bytes: int) -> int:
@@ -102,18 +105,30 @@ class DistributedExecutor(Executor):
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         self._check_alive()
-        self.comm.use_step_timeout()
+        for c in (self.comm, self.pipe):
+            if c is not None:
+                c.use_step_timeout()
         try:
             out = self.worker.execute(step)  # its step_listener sends the StepInput first
         except RuntimeError as e:  # torch.distributed raises RuntimeError subclasses for failed collectives
             if isinstance(e, torch.OutOfMemoryError):
                 raise
             self._check_alive()
-            raise EngineDeadError(f"a tensor-parallel step failed (a rank died, or hung past --distributed-timeout "
+            raise EngineDeadError(f"a distributed step failed (a rank died, or hung past --distributed-timeout "
                                   f"{self.config.parallel.distributed_timeout:g} s): {e}") from e
-        stats = self.comm.take_stats()
-        out.collective_seconds, out.collective_bytes = stats.seconds, stats.bytes
+        out.collective_seconds, out.collective_bytes = self._take_stats()
+        runner = self.worker.model_runner
+        if self.pipe is not None:
+            out.stage_times, runner.stage_times = runner.stage_times, []
+            out.collective_bytes += out.stage_times[0].p2p_bytes if out.stage_times else 0
         return out
+
+    def _take_stats(self) -> tuple[float, int]:
+        """Rank 0's seconds inside tensor-parallel collectives and the bytes it put in, since the last call."""
+        if self.comm is None:
+            return 0.0, 0
+        stats = self.comm.take_stats()
+        return stats.seconds, stats.bytes
 
     def _send_step(self, inp: StepInput) -> None:
         inp.block_moves, self._pending_moves = self._pending_moves, []

@@ -154,6 +154,7 @@ class _EngineCollector(Collector):
                       st.get("prefix_cache_hit_tokens"))
         yield from self._speculative(st)
         yield from self._collectives(st, gauge, counter)
+        yield from self._pipeline(st, gauge)
         yield from self._resources()
 
     def _collectives(self, st: dict[str, Any], gauge: Callable[..., Metric],
@@ -177,6 +178,22 @@ class _EngineCollector(Collector):
         yield counter("llmrt_collective_bytes", "Bytes rank 0 put into collectives", st.get("collective_bytes"))
         yield gauge("llmrt_collective_bytes_per_token", "Collective bytes per computed token, over all steps",
                     (float(st.get("collective_bytes") or 0) / tokens) if tokens else 0.0)
+
+    def _pipeline(self, st: dict[str, Any], gauge: Callable[..., Metric]) -> Iterator[Metric]:
+        """Pipeline parallelism: each stage's seconds waiting for another stage (the bubble) and in steps."""
+        wait, total = st.get("pipeline_wait_seconds") or [], st.get("pipeline_stage_seconds") or []
+        if not wait:
+            return
+        for name, doc, values in (
+                ("llmrt_pipeline_bubble_seconds", "Time a pipeline stage spent waiting for another stage's "
+                 "activations or logits (its first tp rank), over all steps", wait),
+                ("llmrt_pipeline_stage_seconds", "Time a pipeline stage spent in steps (waiting included)", total)):
+            c = CounterMetricFamily(name, doc, labels=["model", "stage"])
+            for i, v in enumerate(values):
+                c.add_metric([self.model, str(i)], float(v))
+            yield c
+        yield gauge("llmrt_pipeline_bubble_share", "Share of the stages' step time spent waiting, all stages "
+                    "over all steps", sum(wait) / sum(total) if sum(total) else 0.0)
 
     def _speculative(self, st: dict[str, Any]) -> Iterator[Metric]:
         """Proposals and acceptances by method and draft position; only while speculative decoding is on."""

@@ -141,6 +141,9 @@ def load_weights(model: CausalLM, model_dir: Path, int4_rows: bool = False) -> N
             if hf_name.endswith(model.ignored_suffixes):
                 continue
             name, shard = _target(model, hf_name)
+            name = model.checkpoint_alias.get(name, name)
+            if name not in params and model.held_elsewhere(name):
+                continue  # another pipeline stage's tensor: never read here
             if name in tied or name not in params:
                 if name not in tied:
                     unexpected.append(hf_name)

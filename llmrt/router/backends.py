@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 
 logger = logging.getLogger("llmrt.router")
 
@@ -72,11 +72,12 @@ class Backend:
 class BackendPool:
     """The set of backends (changed at run time by the admin routes) and their health watcher."""
 
-    def __init__(self, urls: list[str], config: HealthConfig, client: httpx.AsyncClient,
-                 api_key: Optional[str] = None, on_eject: Optional[Callable[[Backend, str], None]] = None):
+    def __init__(self, urls: list[str], config: HealthConfig, api_key: Optional[str] = None,
+                 on_eject: Optional[Callable[[Backend, str], None]] = None):
         self.backends: list[Backend] = [Backend(u) for u in urls]
         self.config = config
-        self.client = client
+        # the relay's pooled session (proxy.upstream_session), set once the event loop runs: one HTTP client
+        self.client: Optional[aiohttp.ClientSession] = None
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.on_eject = on_eject
         self._task: Optional[asyncio.Task] = None
@@ -127,15 +128,19 @@ class BackendPool:
         """Poll /health and /load (and /v1/models once); re-admit an ejected backend after its cool-down."""
         if b.ejected and time.monotonic() < b.ejected_until:
             return
-        timeout = self.config.timeout_s
+        assert self.client is not None, "BackendPool.client is set in the app's lifespan"
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
         try:
-            health = await self.client.get(f"{b.url}/health", timeout=timeout)
-            load = await self.client.get(f"{b.url}/load", headers=self.headers, timeout=timeout)
+            async with self.client.get(f"{b.url}/health", timeout=timeout) as r:
+                health_ok = r.status == 200
+            async with self.client.get(f"{b.url}/load", headers=self.headers, timeout=timeout) as r:
+                load_ok = r.status == 200
+                figures = await r.json(content_type=None) if load_ok else {}
             if not b.models or not b.version:
-                models = await self.client.get(f"{b.url}/v1/models", headers=self.headers, timeout=timeout)
-                if models.status_code == 200:
-                    b.models = list(models.json().get("data") or [])
-        except (httpx.HTTPError, ValueError) as e:
+                async with self.client.get(f"{b.url}/v1/models", headers=self.headers, timeout=timeout) as r:
+                    if r.status == 200:
+                        b.models = list((await r.json(content_type=None)).get("data") or [])
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
             if b.healthy:
                 logger.info("backend %s failed its check: %s", b.name, type(e).__name__)
             b.healthy = False
@@ -144,9 +149,8 @@ class BackendPool:
             else:
                 b.ejected_until = time.monotonic() + self.config.cooldown_s
             return
-        ok = health.status_code == 200 and load.status_code == 200
+        ok = health_ok and load_ok and isinstance(figures, dict)
         if ok:
-            figures = load.json()
             b.version = str(figures.get("model_version") or b.version)
             b.draining = bool(figures.get("draining"))
             b.polled_queued_tokens = int(figures.get("queued_prompt_tokens") or 0)

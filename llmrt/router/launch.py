@@ -94,7 +94,7 @@ def run_route(args: argparse.Namespace) -> int:
     if not args.backend and not args.launch and not args.ray_replicas:
         print("error: give --backend URL (repeatable), --launch N or --ray-replicas N", file=sys.stderr)
         return 2
-    from llmrt.server.launch import setup_access_log
+    from llmrt.server.listen import setup_access_log
 
     setup_access_log(args.disable_access_log)
     with contextlib.ExitStack() as stack:
@@ -144,10 +144,10 @@ def run_route(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, cfg: "RouterConfig") -> int:
     from llmrt.router.app import build_router_app
-    from llmrt.server.launch import _bind, serve_on_socket
+    from llmrt.server.listen import bind_socket, serve_on_socket
 
     try:
-        sock = _bind(args.host, args.port)
+        sock = bind_socket(args.host, args.port)
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ class RouterMetrics:
                                  "Seconds from the router's first attempt to the end of the response, by backend",
                                  ["backend"], buckets=_LATENCY_BUCKETS, registry=r)
         self.errors = Counter("llmrt_router_errors", "Failed attempts by backend and kind (connect, status, "
-                              "stream_broken)", ["backend", "kind"], registry=r)
+                              "draining, stream_broken, timeout, protocol)", ["backend", "kind"], registry=r)
         self.retries = Counter("llmrt_router_retries", "Attempts tried again on another instance, by reason",
                                ["reason"], registry=r)
         self.budget_exhausted = Counter("llmrt_router_retry_budget_exhausted",

@@ -19,9 +19,9 @@ from typing import Any, AsyncIterator, Optional
 
 import aiohttp
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
-from llmrt.errors import EngineDeadError, LLMRTError, ModelNotFoundError, UnavailableError
+from llmrt.errors import EngineDeadError, LLMRTError, ModelNotFoundError, UnavailableError, UpstreamTimeoutError
 from llmrt.router.backends import Backend, BackendPool
 from llmrt.router.metrics import RouterMetrics
 from llmrt.router.policies import Choice, RouteInfo
@@ -34,8 +34,9 @@ logger = logging.getLogger("llmrt.router")
 
 INSTANCE_HEADER = "x-llmrt-instance"
 # Failures before a response: the request may or may not have reached the engine, but inference has no side
-# effects, so another instance may take it. A read timeout is the request being slow, not the instance down:
-# `_READ_TIMEOUT` is caught first (aiohttp's read timeout is also a connection error).
+# effects, so another instance may take it. A read timeout is the request being slow, not the instance down: it
+# is never retried and never counts toward ejection. aiohttp's read timeout subclasses its connection error, so
+# every site catches `_READ_TIMEOUT` before `_RETRYABLE_EXC`.
 _READ_TIMEOUT = aiohttp.SocketTimeoutError
 _RETRYABLE_EXC = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -132,24 +133,27 @@ class Router:
             try:
                 upstream = await self.client.request(request.method, url, data=raw, headers=headers,
                                                      allow_redirects=False)
-            except _READ_TIMEOUT as e:
+            except _READ_TIMEOUT:
                 release()
-                self.metrics.errors.labels(b.name, "timeout").inc()
-                return self._fail(UnavailableError(f"instance {b.name} did not answer: {type(e).__name__}"), record)
+                return self._timed_out(b, None, record, "its response headers")
             except _RETRYABLE_EXC as e:
                 release()
                 reason = self._attempt_failed(b, "connect", f"{type(e).__name__}: {e}")
                 mark = time.perf_counter()
                 continue
-            except aiohttp.ClientError as e:
+            except aiohttp.ClientError as e:  # a malformed answer (bad status line, headers): not the network
                 release()
-                self.metrics.errors.labels(b.name, "timeout").inc()
-                return self._fail(UnavailableError(f"instance {b.name} did not answer: {type(e).__name__}"), record)
+                self.metrics.errors.labels(b.name, "protocol").inc()
+                return self._fail(UnavailableError(f"instance {b.name} sent an unreadable answer: "
+                                                   f"{type(e).__name__}: {e}"), record)
             t1 = mark = time.perf_counter()
             self.metrics.requests.labels(b.name, str(upstream.status)).inc()
             if upstream.status >= 400:
                 try:
                     body = await upstream.read()
+                except _READ_TIMEOUT:
+                    release()
+                    return self._timed_out(b, upstream, record, "its error body")
                 except _RETRYABLE_EXC as e:
                     upstream.close()
                     release()
@@ -179,6 +183,9 @@ class Router:
                     first = await upstream.content.readany()
                     if not first:
                         raise aiohttp.ClientPayloadError("end of stream")
+                except _READ_TIMEOUT:
+                    release()
+                    return self._timed_out(b, upstream, record, "the stream's first event")
                 except _RETRYABLE_EXC as e:
                     upstream.close()
                     release()
@@ -193,6 +200,9 @@ class Router:
                                          status_code=upstream.status, headers=self._headers(upstream, b))
             try:
                 body = await upstream.read()
+            except _READ_TIMEOUT:
+                release()
+                return self._timed_out(b, upstream, record, "its body")
             except _RETRYABLE_EXC as e:
                 upstream.close()
                 release()
@@ -238,6 +248,11 @@ class Router:
                 raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
             complete = True
             self.metrics.latency.labels(b.name).observe(time.perf_counter() - t0)
+        except _READ_TIMEOUT:
+            self.metrics.errors.labels(b.name, "timeout").inc()
+            self.metrics.client_errors.labels("upstream_timeout").inc()
+            record["error"] = "upstream_timeout"
+            yield sse_error_event(self._timeout_error(b, "the stream's next event")).encode() + b"data: [DONE]\n\n"
         except _RETRYABLE_EXC as e:
             self.metrics.errors.labels(b.name, "stream_broken").inc()
             self.metrics.client_errors.labels("stream_broken").inc()
@@ -252,6 +267,20 @@ class Router:
                 upstream.release()  # the connection goes back to the pool
             else:
                 upstream.close()  # the client went away (or the stream broke): the instance sees it and aborts
+
+    def _timeout_error(self, b: Backend, waiting_for: str) -> UpstreamTimeoutError:
+        assert self.client is not None
+        return UpstreamTimeoutError(f"instance {b.name} sent nothing for {self.client.timeout.sock_read:g} s while "
+                                    f"the router waited for {waiting_for}; not retried (the request itself is "
+                                    f"probably slow: stream it, or raise the router's --upstream-timeout)")
+
+    def _timed_out(self, b: Backend, upstream: Optional[aiohttp.ClientResponse], record: dict,
+                   waiting_for: str) -> Response:
+        """A read timeout: the client gets 504 upstream_timeout; the instance is not marked as failing."""
+        if upstream is not None:
+            upstream.close()  # the instance sees the connection go and aborts the request
+        self.metrics.errors.labels(b.name, "timeout").inc()
+        return self._fail(self._timeout_error(b, waiting_for), record)
 
     def _attempt_failed(self, b: Backend, kind: str, reason: str) -> str:
         """Count a failed attempt against b (passive ejection); the retry reason."""

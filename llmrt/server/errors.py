@@ -5,10 +5,14 @@ import json
 import math
 from typing import Any, Optional
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from typing import TYPE_CHECKING
+
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+if TYPE_CHECKING:  # FastAPI costs ~1 s to import; the router uses these helpers without it
+    from fastapi import FastAPI
 
 from llmrt.errors import CapacityExceededError, InvalidRequestError, LLMRTError
 
@@ -80,6 +84,7 @@ def http_error(status: int, detail: Optional[str], method: str, path: str) -> di
 
 def install_exception_handlers(app: FastAPI) -> None:
     """Map every error class the routes can raise; unexpected ones are handled by the server middleware."""
+    from fastapi.exceptions import RequestValidationError
 
     @app.exception_handler(LLMRTError)
     async def _llmrt(request: Request, e: LLMRTError) -> JSONResponse:

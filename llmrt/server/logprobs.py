@@ -56,8 +56,8 @@ class TokenTexts:
         return token_id_name(tid) if self.as_ids else self._text(ctx, base, tid)
 
     def _text(self, ctx: list[int], base: str, tid: int) -> str:
-        if tid in self.tokenizer.byte_token_ids:  # <0xNN>: part of a character, shown as OpenAI shows bytes
-            value = int(self.tokenizer.hf.convert_ids_to_tokens(tid)[3:5], 16)
+        value = self.tokenizer.byte_values.get(tid)  # <0xNN>: part of a character, shown as OpenAI shows bytes
+        if value is not None:
             if value >= 0x80:
                 return f"bytes:\\x{value:02x}"
         full = self.tokenizer.decode(ctx + [tid], False)

@@ -9,13 +9,14 @@ from typing import Any, Callable, Optional
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmrt.config import ServerConfig
 from llmrt.errors import InternalError, InvalidRequestError
 
 logger = logging.getLogger("llmrt.server")
 access_logger = logging.getLogger("llmrt.access")
 
-MAX_BODY_BYTES = ServerConfig.max_body_bytes
+# Larger bodies are refused (400) before they are parsed; `llmrt serve --max-body-bytes` (ServerConfig) changes
+# it. Not read from llmrt.config here: that imports torch, which the router does not need.
+MAX_BODY_BYTES = 10 * 1024 * 1024
 # An oversized body is read and dropped (so that the client, still sending, gets the answer rather than a
 # reset connection) up to this many bytes; past it the connection is simply closed.
 _MAX_DRAIN_BYTES = 64 * 1024 * 1024

@@ -9,6 +9,7 @@ import torch
 
 from llmrt.attention import build_common_metadata, select_attention_backend
 from llmrt.config import EngineConfig
+from llmrt.distributed.pipeline import PipeComm, StageTimes
 from llmrt.engine.memory_plan import estimate_activation_peak, parameter_bytes
 from llmrt.engine.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SpecStepStats, StepInput
 from llmrt.hardware import compute_dtype, measure_peak_memory
@@ -17,6 +18,7 @@ from llmrt.model.loader import load_model
 from llmrt.spec_decode import ProposalInput, create_proposer
 from llmrt.spec_decode.verify_step import token_logprobs, verify_spans
 from llmrt.structured.backend import allocate_bitmask
+from llmrt.worker.pipeline_step import pipelined_forward
 
 
 @dataclass
@@ -51,6 +53,10 @@ class ModelRunner:
         self.proposer = create_proposer(config, self)
         # Called with each step's StepInput before its forward pass (the multi-process executor sends it on).
         self.step_listener: Optional[Callable[[StepInput], None]] = None
+        # Pipeline parallel: this rank's links to the other stages (set by the worker), and on rank 0 the last
+        # step's (waiting, total) seconds of every stage.
+        self.pipe: Optional[PipeComm] = None
+        self.stage_times: list[StageTimes] = []
 
     # -- start-up --------------------------------------------------------------------------------------
     def weights_bytes(self) -> int:
@@ -168,20 +174,27 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inp: StepInput, observe: bool = False) -> Optional[torch.Tensor]:
         """The model over the step's flat batch, then the logits of `inp.logits_rows` (None when there are none,
-        and on every tensor-parallel rank but 0). Every rank runs this with the same `inp`; `observe` shows the
-        step to the proposer (a draft model keeps its KV in step)."""
+        and on every rank but 0 when the model is split). Every rank runs this with the same `inp`; `observe` shows
+        the step to the proposer (a draft model keeps its KV in step). Pipeline parallel: micro-batched through
+        the stages (pipeline_step.py)."""
+        if self.pipe is not None:
+            return pipelined_forward(self, inp)
         dev = self.device
-        pos = torch.tensor(inp.positions, dtype=torch.long)
-        common = build_common_metadata(inp.block_tables, inp.query_lens, inp.seq_lens, pos, inp.num_decodes,
-                                       self.block_size, dev)
-        ids, meta = torch.tensor(inp.input_ids, dtype=torch.long, device=dev), self.attn_backend.build_metadata(common)
-        pos = pos.to(dev)
+        ids, pos, meta = self.model_inputs(inp)
         hidden = self.model(ids, pos, meta)
         if observe and self.proposer is not None:
             self.proposer.observe_forward(ids, pos, meta)
         if not inp.logits_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(inp.logits_rows, dtype=torch.long, device=dev)])
+
+    def model_inputs(self, inp: StepInput) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Token ids, positions and attention metadata of a flat batch, on this runner's device."""
+        pos = torch.tensor(inp.positions, dtype=torch.long)
+        common = build_common_metadata(inp.block_tables, inp.query_lens, inp.seq_lens, pos, inp.num_decodes,
+                                       self.block_size, self.device)
+        ids = torch.tensor(inp.input_ids, dtype=torch.long, device=self.device)
+        return ids, pos.to(self.device), self.attn_backend.build_metadata(common)
 
     def _prompt_logprobs(self, item: ScheduledSequence, logits: torch.Tensor) -> list[dict[int, float]]:
         """For each prompt position in the span, the logprob of the next prompt token (and the top-K)."""

@@ -11,6 +11,7 @@ from llmrt.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from llmrt.engine.memory_plan import MemoryPlan, kv_budget_bytes, num_kv_blocks
 from llmrt.engine.step import BlockMoves, ModelRunnerOutput, SchedulerOutput, StepInput
 from llmrt.distributed.parallel_state import Communicator, building_shard, rank_device
+from llmrt.distributed.pipeline import PipeComm, PPStage, building_stage
 from llmrt.errors import OutOfMemoryError
 from llmrt.hardware import device_memory_free_total, tune_cpu_allocator
 from llmrt.worker.model_runner import ModelRunner
@@ -24,20 +25,25 @@ class Worker:
     """Owns a device and everything on it: the model, the KV blocks and the host swap pool."""
 
     def __init__(self, config: EngineConfig, rank: int = 0, device: Optional[torch.device] = None,
-                 comm: Optional[Communicator] = None):
-        """`comm`: the tensor-parallel group's communicator when the model is split (rank `rank` of its size)."""
+                 comm: Optional[Communicator] = None, pipe: Optional[PipeComm] = None):
+        """`comm`: the tensor-parallel group's communicator when layers are split (this rank is `comm.rank` of
+        its size); `pipe`: the links to the other pipeline stages when the layers are cut into stages."""
         self.config = config
         self.rank = rank
         self.comm = comm
+        self.pipe = pipe
         self.device = device or rank_device(config.device, rank)
         if self.device.type == "cpu":
             tune_cpu_allocator()
         torch.manual_seed(config.model.seed)
-        with building_shard(rank, comm.size if comm else 1, comm):
+        stage = pipe.stage if pipe is not None else PPStage()
+        with building_shard(comm.rank if comm else 0, comm.size if comm else 1, comm), \
+                building_stage(stage.index, stage.size):
             self.model_runner = ModelRunner(config, self.device)
+        self.model_runner.pipe = pipe
         self.block_size = config.cache.block_size
         self.kv_dtype = config.model.torch_dtype
-        self.kv_cache_dtype = config.cache.kv_cache_dtype  # auto (the model dtype) | int8
+        self.kv_cache_dtype = config.cache.kv_cache_dtype  # auto (the model dtype) | int8 | fp8
         self.kv_caches: KVCache = []
         self.host_cache: KVCache = []  # swap space, same layout in host memory
         self.memory: Optional[MemoryPlan] = None
@@ -72,7 +78,10 @@ class Worker:
                 # A default budget never allocates more than the scheduler could ever fill.
                 useful = self.config.scheduler.max_num_seqs * -(-self.config.model.max_model_len // self.block_size)
                 num_blocks = min(num_blocks, useful)
-        if self.comm is not None:  # every rank must hold the same blocks: the smallest budget decides
+        # Every rank must hold the same blocks (each for its own layers): the smallest budget decides.
+        if self.pipe is not None:
+            num_blocks = self.pipe.all_min(num_blocks)
+        elif self.comm is not None:
             num_blocks = self.comm.all_min(num_blocks)
         if num_blocks < 1:
             raise_oom(weights, activation, block_bytes)

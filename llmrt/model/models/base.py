@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from llmrt.distributed.parallel_state import communicator
+from llmrt.distributed.pipeline import PPStage, pp_stage
 from llmrt.model.layers.attention import Attention
 from llmrt.model.layers.weights import CheckpointTensor
 from llmrt.model.layers.linear import Linear
@@ -26,6 +27,13 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+class StageMissingLayer(nn.Module):
+    """Stands in for a layer another pipeline stage holds: no parameters, keeps the layer indices global."""
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError("this layer lives on another pipeline stage")
+
+
 class CausalLM(nn.Module):
     """Base of llmrt's model families: flat tokens in, hidden states out, logits on request."""
 
@@ -33,6 +41,8 @@ class CausalLM(nn.Module):
     packed_modules: dict[str, tuple[str, int]] = {}
     # HF tensor-name suffixes that carry no weights (old buffers) and are skipped.
     ignored_suffixes: tuple[str, ...] = ()
+    # Pipeline parallel: rows of [tokens, hidden] a stage hands the next (the hidden state, plus a residual).
+    carry_rows: int = 1
 
     def __init__(self, hf_config: dict[str, Any], compute_dtype: torch.dtype):
         super().__init__()
@@ -40,9 +50,25 @@ class CausalLM(nn.Module):
         self.compute_dtype = compute_dtype
         self.lm_head: Linear
         self.comm = communicator()  # the vocabulary-parallel head's logits are gathered through it
+        self.stage: PPStage = pp_stage()
+        # Pipeline parallel: our parameter name a checkpoint tensor loads into instead (a tied head on a last
+        # stage without the embedding reads the embedding's tensor).
+        self.checkpoint_alias: dict[str, str] = {}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                carry: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Hidden states after the final norm; on a pipeline stage other than the last, the [carry_rows, tokens,
+        hidden] carry for the next stage (`carry`: the previous stage's, None on the first)."""
         raise NotImplementedError
+
+    def held_elsewhere(self, name: str) -> bool:
+        """True when parameter `name` belongs to another pipeline stage (its module is absent here)."""
+        obj: Any = self
+        for part in name.split(".")[:-1]:
+            obj = getattr(obj, part, None)
+            if obj is None or isinstance(obj, StageMissingLayer):
+                return True
+        return False
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Float32 logits for the given hidden states. Tensor parallel: every rank computes its vocabulary

@@ -13,7 +13,7 @@ from llmrt.model.layers.embedding import Embedding, vocab_shard
 from llmrt.model.layers.linear import Linear, split_evenly
 from llmrt.model.layers.weights import CheckpointTensor
 from llmrt.model.layers.norms import LayerNorm
-from llmrt.model.models.base import CausalLM
+from llmrt.model.models.base import CausalLM, StageMissingLayer
 from llmrt.model.quantization import QuantizationConfig
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -58,20 +58,28 @@ class GPT2LMHeadModel(CausalLM):
             raise UnsupportedError("GPT-2 variants with scale_attn_by_inverse_layer_idx or cross attention are not supported")
         if c.get("scale_attn_weights") is False:
             raise UnsupportedError("GPT-2 with scale_attn_weights=false is not supported")
-        self.wte = Embedding(c["vocab_size"], c["n_embd"], compute_dtype, vocab_parallel=True)
-        self.wpe = Embedding(c["n_positions"], c["n_embd"], compute_dtype)
-        self.h = nn.ModuleList(GPT2Block(c, compute_dtype, quant_config) for _ in range(c["n_layer"]))
-        self.ln_f = LayerNorm(c["n_embd"], c.get("layer_norm_epsilon", 1e-5))
+        first, last = self.stage.is_first, self.stage.is_last
+        self.stage_layers = self.stage.layer_range(c["n_layer"])
+        self.wte = Embedding(c["vocab_size"], c["n_embd"], compute_dtype, vocab_parallel=True) if first else None
+        self.wpe = Embedding(c["n_positions"], c["n_embd"], compute_dtype) if first else None
+        self.h = nn.ModuleList(GPT2Block(c, compute_dtype, quant_config) if i in self.stage_layers
+                               else StageMissingLayer() for i in range(c["n_layer"]))
+        self.ln_f = LayerNorm(c["n_embd"], c.get("layer_norm_epsilon", 1e-5)) if last else None
         self.lm_head = Linear(c["n_embd"], [c["vocab_size"]], False, compute_dtype, parallel="column",
                               shards=[vocab_shard(c["vocab_size"])],
-                              quant_config=quant_config.lm_head_config() if quant_config else None)
-        self.lm_head.weight = self.wte.weight
+                              quant_config=quant_config.lm_head_config() if quant_config else None
+                              ) if last else None  # type: ignore[assignment]
+        if first and last:
+            self.lm_head.weight = self.wte.weight
+        elif last:  # the tied table lives on the first stage: this stage reads its own copy
+            self.checkpoint_alias = {"wte.weight": "lm_head.weight"}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)
-        for block in self.h:
-            x = block(x, meta)
-        return self.ln_f(x)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                carry: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(positions) if carry is None else carry[0]
+        for i in self.stage_layers:
+            x = self.h[i](x, meta)
+        return self.ln_f(x) if self.ln_f is not None else x.unsqueeze(0)
 
     def hf_to_ours(self, hf_name: str) -> Optional[str]:
         """Map 'transformer.h.0.attn.c_proj.weight' to 'h.0.attn_c_proj.weight'."""
@@ -86,4 +94,4 @@ class GPT2LMHeadModel(CausalLM):
         return tensor.t() if hf_name.endswith(_CONV1D) else tensor
 
     def tied_parameters(self) -> dict[str, str]:
-        return {"lm_head.weight": "wte.weight"}
+        return {"lm_head.weight": "wte.weight"} if self.stage.is_first and self.stage.is_last else {}

@@ -14,7 +14,8 @@ from llmrt.model.layers.embedding import Embedding, vocab_shard
 from llmrt.model.layers.linear import Linear, OutputShard, split_evenly
 from llmrt.model.layers.norms import RMSNorm
 from llmrt.model.layers.rotary import RotaryEmbedding, rope_parameters
-from llmrt.model.models.base import CausalLM
+from llmrt.model.models.base import CausalLM, StageMissingLayer
+from llmrt.distributed.pipeline import pp_stage
 from llmrt.model.quantization import QuantizationConfig
 
 
@@ -144,20 +145,26 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder stack and final norm."""
+    """Embedding, decoder stack and final norm (a pipeline stage builds only its share: the embedding on the first,
+    the norm on the last, its layers in between)."""
 
     def __init__(self, a: LlamaArch, rope: dict[str, Any], dtype: torch.dtype, quant: Optional[QuantizationConfig]):
         super().__init__()
-        self.embed_tokens = Embedding(a.vocab, a.hidden, dtype, vocab_parallel=True)
+        stage = pp_stage()
+        self.stage_layers = stage.layer_range(a.layers)
+        self.embed_tokens = Embedding(a.vocab, a.hidden, dtype, vocab_parallel=True) if stage.is_first else None
         rotary = RotaryEmbedding(a.head_dim, a.max_positions, rope)
         self.layers = nn.ModuleList(LlamaDecoderLayer(a, rotary, a.sliding_windows[i], dtype, quant)
-                                    for i in range(a.layers))
-        self.norm = RMSNorm(a.hidden, a.eps)
+                                    if i in self.stage_layers else StageMissingLayer() for i in range(a.layers))
+        self.norm = RMSNorm(a.hidden, a.eps) if stage.is_last else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                carry: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x, residual = (self.embed_tokens(input_ids), None) if carry is None else (carry[0], carry[1])
+        for i in self.stage_layers:
+            x, residual = self.layers[i](positions, x, residual, meta)
+        if self.norm is None:  # the next stage continues from the hidden state and the residual
+            return torch.stack([x, residual])
         x, _ = self.norm(x, residual)
         return x
 
@@ -170,21 +177,29 @@ class LlamaForCausalLM(CausalLM):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
     ignored_suffixes = ("rotary_emb.inv_freq",)
+    carry_rows = 2  # the hidden state and the residual
 
     def __init__(self, hf_config: dict[str, Any], compute_dtype: torch.dtype, architecture: str = "LlamaForCausalLM",
                  quant_config: Optional[QuantizationConfig] = None):
         super().__init__(hf_config, compute_dtype)
         self.arch = LlamaArch.from_hf(hf_config, architecture)
         self.model = LlamaModel(self.arch, rope_parameters(hf_config), compute_dtype, quant_config)
-        # The LM head in the format the quantization config chooses for it (int8 or the model dtype).
-        self.lm_head = Linear(self.arch.hidden, [self.arch.vocab], False, compute_dtype, parallel="column",
-                              shards=[vocab_shard(self.arch.vocab)],
-                              quant_config=quant_config.lm_head_config() if quant_config else None)
-        if self.arch.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if self.stage.is_last:  # in the format the quantization config chooses for it (int8 or the model dtype)
+            self.lm_head = Linear(self.arch.hidden, [self.arch.vocab], False, compute_dtype, parallel="column",
+                                  shards=[vocab_shard(self.arch.vocab)],
+                                  quant_config=quant_config.lm_head_config() if quant_config else None)
+        else:
+            self.lm_head = None  # type: ignore[assignment]
+        if self.arch.tied and self.stage.is_last:
+            if self.stage.is_first:
+                self.lm_head.weight = self.model.embed_tokens.weight
+            else:  # the embedding lives on the first stage: this stage reads its own copy of the table
+                self.checkpoint_alias = {"model.embed_tokens.weight": "lm_head.weight"}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                carry: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, carry)
 
     def tied_parameters(self) -> dict[str, str]:
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.arch.tied else {}
+        both = self.stage.is_first and self.stage.is_last
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.arch.tied and both else {}
