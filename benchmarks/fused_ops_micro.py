@@ -11,7 +11,6 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 
 from llmrt.model.layers.activation import GatedActivation
 from llmrt.model.layers.fused import fused_ops

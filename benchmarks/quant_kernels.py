@@ -1,6 +1,7 @@
 """Micro-benchmark of the CPU linear kernels behind bf16, --quantization int8 and int4, per layer shape and rows.
 
-Compares llmrt's own kernels (llmrt/kernels) with torch's paths on the 110m model's layer shapes (hidden 768,
+Cache-hot (the same weights every call; benchmarks/gemv_bandwidth.py measures cold-cache bandwidth). Compares
+llmrt's own kernels (llmrt/kernels, weights packed as the linear methods pack them) with torch's paths on the 110m model's layer shapes (hidden 768,
 FFN 2048, 4 KV heads, vocab 32000) for 1..64 rows. Methods alternate within every round; best of rounds.
 
 Run: PYTHONPATH=. python benchmarks/quant_kernels.py [--rounds 25] [--isa avx2]
@@ -20,7 +21,8 @@ import torch.nn.functional as F
 from llmrt.bench.report import load_average, machine_info, now_iso
 from llmrt.hardware import describe_device, kernel_isa
 from llmrt.kernels import load
-from llmrt.model.quantization.int4 import pack_int4_chunks, quantize_int4
+from llmrt.kernels.packed import PackedLinear
+from llmrt.model.quantization.int4 import quantize_int4
 from llmrt.model.quantization.int8 import quantize_int8
 
 SHAPES = {"qkv 1280x768": (1280, 768), "o 768x768": (768, 768), "gate_up 4096x768": (4096, 768),
@@ -46,18 +48,19 @@ def methods(n: int, k: int, rows: int, lib) -> dict[str, Callable[[], object]]:
     q4, sc, z = quantize_int4(w, 32)
     packed_t = torch._convert_weight_to_int4pack_for_cpu(q4, 1)
     sz_t = torch.stack([sc, z], -1).transpose(0, 1).contiguous().bfloat16()
-    packed_o, sz_o = pack_int4_chunks(q4), torch.stack([sc, z], -1).bfloat16().contiguous()
+    pb, p8, p4 = (PackedLinear.dense(lib, wb), PackedLinear.dense(lib, q8, scale=s8),
+                  PackedLinear.int4(lib, q4, sc, z, 32, k))
     deq = torch.empty(n, k)
     return {
         "torch fp32": lambda: F.linear(x, w),
         "torch bf16": lambda: F.linear(xb, wb),
-        "ours bf16 (fp32 x)": lambda: lib.linear_bf16(x, wb, None),
-        "ours bf16 (bf16 x)": lambda: lib.linear_bf16(xb, wb, None),
+        "ours bf16 (fp32 x)": lambda: pb(x),
+        "ours bf16 (bf16 x)": lambda: pb(xb),
         "torch int8pack": lambda: torch._weight_int8pack_mm(xb, q8, s8b),
         "torch int8 dequant+fp32": lambda: F.linear(x, torch.mul(q8, s8[:, None], out=deq)),
-        "ours int8": lambda: lib.linear_int8(x, q8, s8, None),
+        "ours int8": lambda: p8(x),
         "torch int4pack g32": lambda: torch._weight_int4pack_mm_for_cpu(xb, packed_t, 32, sz_t),
-        "ours int4 g32": lambda: lib.linear_int4(x, packed_o, sz_o, 32, None),
+        "ours int4 g32": lambda: p4(x),
     }
 
 

@@ -45,7 +45,10 @@ def main() -> None:
     ap.add_argument("--model", help="a checkpoint directory instead of the random 110m model")
     ap.add_argument("--name", default="quantization", help="prefix of the result files and table")
     ap.add_argument("--torch-paths", action="store_true", help="also measure every config with LLMRT_KERNELS=0")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:  # on a loaded machine 2 OpenMP threads wait for each other at every matmul's barrier
+        torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else default_cache_dir() / "110m-float32"
     if not args.model and not is_complete(path):
         build_random_llama("110m", str(path))
@@ -87,7 +90,8 @@ def main() -> None:
                        "max_seqs_at_1k_in_64MiB": m.max_concurrent_sequences(1024)}
     result = {"date": now_iso(), "machine": machine_info(), "isa": describe_device(torch.device("cpu")),
               "kernels": lib.isa if lib else None, "load_average": loads, "rounds": args.rounds,
-              "model": str(path), "tokens": args.tokens, "batch": args.batch, "results": rows, "dtype": "mixed"}
+              "model": str(path), "tokens": args.tokens, "batch": args.batch, "results": rows, "dtype": "mixed",
+              "threads": torch.get_num_threads()}
     for label, r in rows.items():
         print(f"{label:<16} TPOT {r['tpot_ms']:7.2f} ms ({r['tpot_vs_best_full']:.2f}x)  batch {r['throughput_tok_s']:7.1f} "
               f"tok/s  weights {r['weights_MiB']:7.1f} MiB  KV {r['kv_B_per_token']} B/token  "

@@ -57,6 +57,9 @@ class ModelConfig:
     # types; else unquantized); "none": unquantized even then.
     quantization: Optional[str] = None
     quant_group_size: int = 32  # int4: weights per scale/zero group along the input dim (32, 64 or 128)
+    # The LM head's format: auto (int8 with --quantization int8/int4; from a GGUF, only if the file's is quantized),
+    # int8, or none (the model dtype). Resolved in __post_init__ (quantization.resolve_lm_head).
+    lm_head_quantization: str = "auto"
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     torch_dtype: torch.dtype = torch.float32
 
@@ -64,9 +67,11 @@ class ModelConfig:
         if not self.model:
             self.model = str(DEFAULT_MODEL_DIR)
             self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
+        from llmrt.model.gguf_file import is_gguf
+
         path = Path(self.model)
         cfg = path / "config.json"
-        if str(path).endswith(".gguf") and path.is_file():
+        if is_gguf(str(path)):
             from llmrt.model.gguf_file import gguf_hf_config
 
             self.hf_config = gguf_hf_config(str(path))  # config, tokenizer and weights all come from the file
@@ -79,6 +84,10 @@ class ModelConfig:
             self.hf_config = json.loads(cfg.read_text())
         self.torch_dtype = parse_dtype(self.dtype, self.hf_config)
         self._checkpoint_quantization()
+        from llmrt.model.quantization import resolve_lm_head
+
+        self.lm_head_quantization = resolve_lm_head(self.lm_head_quantization, self.quantization,
+                                                    str(path) if is_gguf(str(path)) else None)
         limit = self.derived_max_len()
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -99,6 +108,7 @@ class ModelConfig:
         """What the checkpoint implies when no method was named: a GPTQ/AWQ checkpoint its own (another is
         refused); a GGUF file the method that keeps its decoder weights' bits (int4 for mostly 4-bit types, int8
         for mostly Q8_0). "none" asks for unquantized weights (a GGUF then loads dequantized)."""
+        from llmrt.model.gguf_file import is_gguf
         from llmrt.model.quantization.gptq_awq import checkpoint_quantization
 
         explicit_none = self.quantization == "none"
@@ -106,7 +116,7 @@ class ModelConfig:
             self.quantization = None
         method = checkpoint_quantization(self.hf_config)
         if method is None:
-            if self.quantization is None and not explicit_none and str(self.model).endswith(".gguf"):
+            if self.quantization is None and not explicit_none and is_gguf(str(self.model)):
                 from llmrt.model.gguf_file import gguf_default_quantization
 
                 self.quantization = gguf_default_quantization(self.model)
@@ -119,7 +129,8 @@ class ModelConfig:
 
     def quant_options(self) -> dict[str, Any]:
         """What get_quantization_config needs besides the name: the group size and the checkpoint's own config."""
-        return {"group_size": self.quant_group_size, "checkpoint": self.hf_config.get("quantization_config")}
+        return {"group_size": self.quant_group_size, "checkpoint": self.hf_config.get("quantization_config"),
+                "lm_head": self.lm_head_quantization}
 
     def derived_max_len(self) -> int:
         """The model's own context limit from its config."""
@@ -350,6 +361,7 @@ class EngineConfig:
         """The weight and KV formats chosen and how this device computes them (for /version and logs)."""
         return {"dtype": str(self.model.torch_dtype).replace("torch.", ""), "quantization": self.model.quantization,
                 "quant_group_size": self.model.quant_group_size if self.model.quantization == "int4" else None,
+                "lm_head_quantization": self.model.lm_head_quantization,
                 "kv_cache_dtype": self.cache.kv_cache_dtype, "formats": [f.as_dict() for f in self.formats]}
 
     @classmethod

@@ -259,14 +259,11 @@ def _cpu_support(fmt: str, flags: frozenset[str]) -> tuple[str, str]:
         from llmrt.kernels import MAX_ROWS
 
         ours = kernel_isa(flags)
-        if ours and fmt == "int4":
-            return NATIVE, ("weight-only int4: torch's packed kernel (bf16 activations) where the output size is a "
-                            f"multiple of 16 (measured faster), llmrt's {ours} kernel for other layers' steps of up "
-                            f"to {MAX_ROWS[fmt]} rows (docs/quantization.md)")
         if ours:
-            return NATIVE, (f"weight-only {fmt}: llmrt's {ours} kernel for steps of up to {MAX_ROWS[fmt]} rows, "
-                            "dequantized to the compute dtype above (torch's packed kernels where ours cannot be "
-                            "built; docs/quantization.md)")
+            return NATIVE, (f"weight-only {fmt}: llmrt's {ours} kernel (weights packed at load) for steps of up to "
+                            f"{MAX_ROWS[fmt]} rows, dequantized to the compute dtype above (torch's packed kernels "
+                            "where ours cannot be built); the LM head int8 unless --lm-head-quantization none "
+                            "(docs/quantization.md)")
         if avx2 and fmt == "int8":
             return NATIVE, ("weight-only int8: torch's packed kernel (bf16 activations) for steps of up to 8 rows, "
                             "dequantized to the compute dtype above (docs/quantization.md)")

@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of the decoder layers, as `serve` (default: none)")
     p.add_argument("--quant-group-size", type=int, default=default_of(ModelConfig, "quant_group_size"),
                    choices=list(QUANT_GROUP_SIZES), help="int4 group size (default: %(default)s)")
+    p.add_argument("--lm-head-quantization", default="auto", choices=["auto", "int8", "none"],
+                   help="the LM head's format, as `serve`: auto is int8 with --quantization int8/int4 "
+                        "(default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default=default_of(CacheConfig, "kv_cache_dtype"), choices=["auto", "int8", "fp8"],
                    help="KV-cache storage, as `serve`: auto (--kv-dtype), int8 or fp8 with per-token scales "
                         "(default: %(default)s)")
@@ -98,16 +101,19 @@ def build_plan(args: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     dtype = parse_dtype(args.dtype, hf)
     kv_dtype = parse_dtype(args.kv_dtype, hf) if args.kv_dtype else dtype
     limit = args.max_model_len or context_limit(hf)
+    from llmrt.model.quantization import resolve_lm_head
+
+    lm_head = resolve_lm_head(args.lm_head_quantization, args.quantization)
     plan = plan_memory(hf, memory_bytes=args.memory, dtype=dtype, kv_dtype=kv_dtype, tp=args.tp,
                        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, max_model_len=limit,
                        utilization=args.gpu_memory_utilization, contexts=contexts,
                        quantization=args.quantization, quant_group_size=args.quant_group_size,
-                       kv_cache_dtype=args.kv_cache_dtype, pp=args.pp)
+                       kv_cache_dtype=args.kv_cache_dtype, pp=args.pp, lm_head_quantization=lm_head)
     settings = dict(model=args.model, architecture=(hf.get("architectures") or [""])[0], memory_bytes=args.memory,
                     utilization=args.gpu_memory_utilization, dtype=str(dtype).replace("torch.", ""),
                     kv_dtype=str(kv_dtype).replace("torch.", ""), tp=args.tp, pp=args.pp, max_model_len=limit,
-                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                    quantization=args.quantization, lm_head_quantization=lm_head, kv_cache_dtype=args.kv_cache_dtype,
                     formats_here=[f.as_dict() for f in formats_on_this_machine(dtype, args.quantization,
                                                                                args.kv_cache_dtype)])
     return plan, settings
@@ -184,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
         {"item": "weights", "GiB": gib(plan.weights_bytes),
          "detail": f"per rank, tp={args.tp}" + (f", heaviest of pp={args.pp} stages" if args.pp > 1 else "")
                    + f", {settings['dtype']}"
-                   + (f", decoder layers {args.quantization}" if args.quantization else "")},
+                   + (f", decoder layers {args.quantization}" if args.quantization else "")
+                   + (f", LM head {settings['lm_head_quantization']}" if args.quantization else "")},
         {"item": "activation peak", "GiB": gib(plan.activation_peak_bytes),
          "detail": f"a step of {min(args.max_num_batched_tokens, settings['max_model_len'])} tokens (estimate)"},
         {"item": "KV cache", "GiB": gib(plan.kv_cache_bytes),

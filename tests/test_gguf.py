@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf")
 from llmrt.engine.llm import LLM  # noqa: E402
 from llmrt.errors import LLMRTError  # noqa: E402
 from llmrt.sampling_params import SamplingParams  # noqa: E402
-from tests.conftest import ARCH_CONFIGS, EMBEDDED, build_checkpoint  # noqa: E402
+from tests.conftest import EMBEDDED, build_checkpoint  # noqa: E402
 
 SHARED_GGUF = Path(__file__).parent / "fixtures" / "gguf" / "stories260K.gguf"  # llama.cpp's conversion
 HF_TO_GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",

@@ -65,7 +65,7 @@ def test_4bit_gguf_keeps_its_integers_and_generates_like_its_weights(qname, llam
     monkeypatch.setattr(Int4LinearMethod, "store_quantized", keep)
     load_model(cfg, torch.device("cpu"))
     reference = load_model(ModelConfig(str(ref_dir), dtype="float32"), torch.device("cpu"))
-    want = [m.weight.data for m in reference.modules() if isinstance(m, Linear) and m.weight.shape[1] % 32 == 0
+    want = [m.dense_weight() for m in reference.modules() if isinstance(m, Linear) and m.in_features % 32 == 0
             and m is not getattr(reference, "lm_head", None)]
     assert len(handed) == len(want) == 8
     for got, w in zip(handed, want):  # the file's own values, not a second rounding
@@ -91,4 +91,22 @@ def test_f32_gguf_stays_unquantized_and_int4_groups_other_than_32_requantize():
     from tests.test_gguf import SHARED_GGUF
 
     assert ModelConfig(str(SHARED_GGUF)).quantization is None  # llama.cpp's stories260K is all F32
-    assert ModelConfig(str(SHARED_GGUF), quantization="int4", quant_group_size=64).quantization == "int4"
+    cfg = ModelConfig(str(SHARED_GGUF), quantization="int4", quant_group_size=64)
+    assert cfg.quantization == "int4"
+    # Loaded as int4 with groups of 64: each layer holds quantize_int4's groups of 64 of the file's F32 weights
+    # (within bf16 rounding of the stored scales and zeros), not the 32-value blocks of a 4-bit GGUF.
+    from llmrt.model.quantization.int4 import quantize_int4
+
+    cpu = torch.device("cpu")
+    q64, ref = load_model(cfg, cpu), load_model(ModelConfig(str(SHARED_GGUF)), cpu)
+    pairs = [(a, b) for a, b in zip(q64.modules(), ref.modules())
+             if isinstance(a, Linear) and isinstance(a.method, Int4LinearMethod)]
+    assert len(pairs) == 4 * len(q64.model.layers) and all(a.method.group_size == 64 for a, _ in pairs)
+    for a, b in pairs:
+        w = b.dense_weight().float()
+        n, k = w.shape
+        q, sc, z = quantize_int4(torch.nn.functional.pad(w, (0, -k % 64)), 64)
+        want = ((q.view(n, -1, 64).float() - 8) * sc[..., None] + z[..., None]).view(n, -1)[:, :k]
+        with torch.inference_mode():
+            got = a(torch.eye(k)).T  # row i of the identity picks input i: the layer's dequantized weights
+        assert torch.allclose(got, want, rtol=0, atol=2 ** -8 * float(want.abs().max())), a

@@ -2,6 +2,7 @@
 do not depend on the batch, the layers' choice between our kernels and torch's paths, and the fallback."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -12,6 +13,7 @@ import llmrt.kernels as K
 from llmrt.config import ModelConfig
 from llmrt.engine.llm import LLM
 from llmrt.hardware import cpu_flags, kernel_isa
+from llmrt.kernels.packed import PackedLinear
 from llmrt.model.layers.linear import Linear
 from llmrt.model.quantization.int4 import pack_int4_chunks, quantize_int4, unpack_int4_chunks
 from llmrt.model.quantization.int8 import quantize_int8
@@ -24,27 +26,25 @@ SHAPES = [(37, 100), (64, 320), (5, 7), (130, 64)]
 ROWS = [1, 2, 3, 5, 8, 17, 64]
 
 
-def _weights(n: int, k: int, fmt: str) -> tuple[tuple, torch.Tensor]:
-    """(kernel arguments after x, the dense fp64 weights they stand for)."""
+def _weights(lib: K.KernelLib, n: int, k: int, fmt: str, bias=None) -> tuple[PackedLinear, torch.Tensor]:
+    """(the packed layer, the dense fp64 weights it stands for)."""
     w = torch.randn(n, k)
-    if fmt == "fp32":
-        return (w,), w.double()
-    if fmt == "bf16":
-        wb = w.bfloat16()
-        return (wb,), wb.double()
+    if fmt in ("fp32", "bf16"):
+        w = w.bfloat16() if fmt == "bf16" else w
+        return PackedLinear.dense(lib, w, bias), w.double()
     if fmt == "int8":
         q, s = quantize_int8(w)
-        return (q, s), q.double() * s.double()[:, None]
+        return PackedLinear.dense(lib, q, bias, s), q.double() * s.double()[:, None]
     kp = k + (-k % 32)
     q, sc, z = quantize_int4(F.pad(w, (0, kp - k)), 32)
-    sz = torch.stack([sc, z], -1).bfloat16().contiguous()
+    sz = torch.stack([sc, z], -1).bfloat16()
     s, zz = sz[..., 0].double(), sz[..., 1].double()
     dense = ((q.double().view(n, -1, 32) - 8) * s[..., None] + zz[..., None]).view(n, kp)[:, :k]
-    return (pack_int4_chunks(q), sz, 32), dense
+    return PackedLinear.int4(lib, q, sc, z, 32, k, bias), dense
 
 
-def _call(lib: K.KernelLib, fmt: str, x: torch.Tensor, args: tuple, bias) -> torch.Tensor:
-    return getattr(lib, f"linear_{fmt}")(x, *args, bias)
+def _without_bias(p: PackedLinear) -> PackedLinear:
+    return dataclasses.replace(p, bias=None)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -54,14 +54,15 @@ def test_kernel_matches_reference(isa, fmt):
     torch.manual_seed(0)
     lib = K.load(isa)
     for n, k in SHAPES:
-        args, dense = _weights(n, k, fmt)
+        bias = torch.randn(n).bfloat16()
+        packed, dense = _weights(lib, n, k, fmt, bias)
         for rows in ROWS:
             for xdt in (torch.float32, torch.bfloat16):
                 x = torch.randn(rows, k).to(xdt)
-                bias = torch.randn(n) if rows % 2 else None
-                ref = x.double() @ dense.T + (bias.double() if bias is not None else 0)
+                with_bias = rows % 2 == 1
+                ref = x.double() @ dense.T + (bias.double() if with_bias else 0)
                 scale = x.double().abs() @ dense.abs().T
-                y = _call(lib, fmt, x, args, bias)
+                y = packed(x) if with_bias else _without_bias(packed)(x)
                 assert y.dtype == xdt and y.shape == (rows, n)
                 tol = 1e-5 * scale + 1e-6 + (ref.abs() * 2 ** -8 if xdt == torch.bfloat16 else 0)
                 assert ((y.double() - ref).abs() <= tol).all(), (isa, fmt, n, k, rows, xdt)
@@ -74,11 +75,10 @@ def test_a_rows_result_does_not_depend_on_the_batch(isa):
     lib = K.load(isa)
     x = torch.randn(64, 300)
     for fmt in ("fp32", "bf16", "int8", "int4"):
-        args, _ = _weights(67, 300, fmt)
-        bias = torch.randn(67)
-        full = _call(lib, fmt, x, args, bias)
-        ones = torch.cat([_call(lib, fmt, x[i:i + 1], args, bias) for i in range(64)])
-        threes = torch.cat([_call(lib, fmt, x[i:i + 3], args, bias) for i in range(0, 64, 3)])
+        p, _ = _weights(lib, 67, 300, fmt, torch.randn(67))
+        full = p(x)
+        ones = torch.cat([p(x[i:i + 1]) for i in range(64)])
+        threes = torch.cat([p(x[i:i + 3]) for i in range(0, 64, 3)])
         assert torch.equal(full, ones) and torch.equal(full, threes), (isa, fmt)
 
 
@@ -88,12 +88,25 @@ def test_int4_layout_and_dequantize(isa):
     q = torch.randint(0, 16, (9, 128), dtype=torch.int32)
     packed = pack_int4_chunks(q)
     assert packed.shape == (9, 64) and torch.equal(unpack_int4_chunks(packed).int(), q)
-    sz = torch.randn(9, 2, 2).bfloat16()  # group 64: 2 groups of (scale, zero)
-    want = ((q.float().view(9, 2, 64) - 8) * sz[..., 0].float()[..., None] + sz[..., 1].float()[..., None])
+    sc, z = torch.randn(9, 2), torch.randn(9, 2)  # group 64: 2 groups of (scale, zero)
+    sz = torch.stack([sc, z], -1).bfloat16().float()
+    want = ((q.float().view(9, 2, 64) - 8) * sz[..., 0][..., None] + sz[..., 1][..., None]).view(9, 128)
+    p = PackedLinear.int4(K.load(isa), q, sc, z, 64, 128)
     for dt in (torch.float32, torch.bfloat16):
-        out = torch.empty(9, 128, dtype=dt)
-        K.load(isa).dequantize_int4(packed, sz, 64, out)
-        torch.testing.assert_close(out.float(), want.view(9, 128).to(dt).float(), rtol=1e-6, atol=1e-6)
+        out = p.unpack_into(torch.empty(9, 128, dtype=dt))
+        torch.testing.assert_close(out.float(), want.to(dt).float(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+def test_dense_pack_round_trip(isa, fmt):
+    """unpack (the large-step path) gives back exactly the weights the kernel computes with."""
+    torch.manual_seed(3)
+    p, dense = _weights(K.load(isa), 37, 100, fmt)
+    for dt in (torch.float32, torch.bfloat16):
+        out = p.unpack_into(torch.empty(37, 100, dtype=dt))
+        assert torch.equal(out, dense.float().to(dt)), (fmt, dt)
+    assert p.data.shape == (10, 4 * (112 if fmt == "fp32" else 128))  # rows to 4s, inputs to whole chunks
 
 
 def test_builds_are_cached_by_source_and_isa():

@@ -66,6 +66,6 @@ def test_no_weights_and_no_config(tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_dtypes(dtype):
     llm = LLM(dtype=dtype)
-    assert llm.engine.executor.worker.model_runner.model.lm_head.weight.dtype == getattr(torch, dtype)
+    assert llm.engine.executor.worker.model_runner.model.lm_head.dense_weight().dtype == getattr(torch, dtype)
     text = llm.generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].text
     assert text.startswith(", there was a little")

@@ -156,11 +156,12 @@ def test_packed_and_dequantized_paths_agree(embedded_model_dir):
 
     model = load_model(ModelConfig(str(embedded_model_dir), quantization="int8"), CPU)
     layer = next(m for m in model.modules() if isinstance(m, Linear) and m.in_features % 32 == 0
-                 and hasattr(m, "qweight"))
+                 and (hasattr(m, "qweight") or m.packed is not None))
+    rows = max(16, layer.kernel_max_rows + 1)  # past the kernels' rows: the dequantized path
     x = torch.randn(1, layer.in_features)
     with torch.inference_mode():
         packed = layer(x)
-        dequant = layer(x.repeat(16, 1))[:1]
+        dequant = layer(x.repeat(rows, 1))[:1]
     assert torch.allclose(packed, dequant, rtol=0.02, atol=0.02)
 
 
@@ -236,3 +237,43 @@ def test_version_endpoint_reports_the_formats():
         body = c.get("/version").json()
     assert body["formats"]["quantization"] == "int8" and body["formats"]["kv_cache_dtype"] == "int8"
     assert {f["format"]: f["status"] for f in body["formats"]["formats"]}["int8"] in (NATIVE, EMULATED)
+
+
+# -- the LM head ------------------------------------------------------------------------------------------------
+def test_lm_head_is_int8_with_int8_and_int4_unless_asked_not_to(embedded_model_dir):
+    """auto: int8 head with int8/int4 (a tied head gets its own copy, the embedding keeps its float rows); none keeps
+    it in the model dtype; an int8 head without a quantized model is refused. The plan counts the same bytes."""
+    from llmrt.model.layers.linear import UnquantizedLinearMethod
+    from llmrt.model.loader import load_model
+    from llmrt.model.quantization.int8 import Int8LinearMethod
+
+    for quant in ("int8", "int4"):
+        cfg = ModelConfig(str(embedded_model_dir), quantization=quant)
+        assert cfg.lm_head_quantization == "int8"
+        model = load_model(cfg, CPU)
+        assert isinstance(model.lm_head.method, Int8LinearMethod)
+        emb = model.model.embed_tokens.weight
+        assert emb.dtype == torch.float32 and not hasattr(model.lm_head, "weight")
+        head = model.lm_head.dense_weight() if model.lm_head.packed is not None else (
+            model.lm_head.qweight.float() * model.lm_head.weight_scale[:, None])
+        # per output channel: each row within half a step (max|row| / 254) of the embedding it was tied to
+        step = emb.abs().amax(1, keepdim=True) / 254
+        assert ((head - emb).abs() <= step * 1.001 + 1e-7).all()
+    kept = load_model(ModelConfig(str(embedded_model_dir), quantization="int4", lm_head_quantization="none"), CPU)
+    assert type(kept.lm_head.method) is UnquantizedLinearMethod
+    assert ModelConfig(str(embedded_model_dir)).lm_head_quantization == "none"
+    with pytest.raises(UnsupportedError, match="lm-head-quantization int8"):
+        ModelConfig(str(embedded_model_dir), lm_head_quantization="int8")
+    hf = ModelConfig(str(embedded_model_dir)).hf_config
+    heads = {h: plan_memory(hf, memory_bytes=1 << 30, dtype=torch.float32, quantization="int8",
+                            lm_head_quantization=h).weights_bytes for h in ("int8", "none")}
+    llm = LLM(quantization="int8", kv_cache_memory=1 << 20)
+    assert heads["int8"] == llm.engine.memory.weights_bytes
+    assert heads["int8"] != heads["none"]  # the tied head's own copy: int8, or float32 packed for the kernels
+
+
+def test_gguf_lm_head_follows_the_file(tmp_path):
+    """From a GGUF, auto quantizes the head only where the file's own output matrix is quantized."""
+    from tests.test_gguf import SHARED_GGUF
+
+    assert ModelConfig(str(SHARED_GGUF), quantization="int8").lm_head_quantization == "none"  # all F32

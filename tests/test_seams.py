@@ -188,7 +188,11 @@ def test_unknown_quantization_is_refused_before_loading(checkpoints):
 
 def test_every_parameter_owns_a_loader_that_knows_packing(checkpoints):
     llm = LLM(str(checkpoints["llama3"]), dtype="float32", block_size=4)
-    qkv = llm.engine.executor.worker.model_runner.model.model.layers[0].self_attn.qkv_proj
+    loaded = llm.engine.executor.worker.model_runner.model.model.layers[0].self_attn.qkv_proj
+    # A fresh layer of the loaded one's shape: after loading, CPU kernels keep the weights packed (no `weight`).
+    from llmrt.model.layers.linear import Linear
+
+    qkv = Linear(loaded.in_features, loaded.output_sizes)
     loader = qkv.weight.weight_loader
     parts = [torch.full((n, qkv.in_features), float(i)) for i, n in enumerate(qkv.output_sizes)]
     for i, part in enumerate(parts):

@@ -126,18 +126,18 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: Optional[int] = None,
                 utilization: float = 1.0, contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
                 quantization: Optional[str] = None, quant_group_size: int = 32,
-                kv_cache_dtype: str = "auto", pp: int = 1, fused: bool = False) -> MemoryPlan:
+                kv_cache_dtype: str = "auto", pp: int = 1, fused: bool = False,
+                lm_head_quantization: str = "auto") -> MemoryPlan:
     """The per-device memory split for a model config on a device of `memory_bytes`, without any weights.
     With `pp` pipeline stages every stage's rank-0 shard is built on the meta device as the engine builds it (its
     layers; the embedding on the first stage, the norm and LM head on the last): weights are the heaviest
     stage's, KV per token counts one stage's layers, and the blocks are what that stage leaves (the engine takes
     the smallest block count over the ranks). `fused`: the activations of the fused CPU layer ops (smaller; the
     default plans for torch's ops, an upper bound)."""
-    from dataclasses import replace
 
     from llmrt.attention.kv_quant import kv_bytes_per_token
     from llmrt.model.loader import build_model
-    from llmrt.model.quantization import get_quantization_config
+    from llmrt.model.quantization import get_quantization_config, resolve_lm_head
 
     from llmrt.distributed.parallel_state import building_shard
 
@@ -145,7 +145,8 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
     from llmrt.model.quantization.gptq_awq import checkpoint_quantization
 
     quantization = quantization or checkpoint_quantization(hf_config)  # a GPTQ/AWQ config.json plans as such
-    quant = get_quantization_config(quantization, {"group_size": quant_group_size,
+    lm_head = resolve_lm_head(lm_head_quantization, quantization)
+    quant = get_quantization_config(quantization, {"group_size": quant_group_size, "lm_head": lm_head,
                                                    "checkpoint": hf_config.get("quantization_config")})
     from llmrt.distributed.pipeline import building_stage
 
@@ -170,12 +171,25 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
 
 
 def _planned_weight_bytes(model: torch.nn.Module, quant: Any) -> int:
-    """Parameter bytes, with every quantized Linear's weight counted in its quantized size."""
+    """Parameter bytes, with every quantized Linear's weight counted in its quantized size, and, where llmrt's CPU
+    kernels load on this machine, every fp32/bf16 Linear in their packed layout (as a CPU engine here holds it)."""
     from llmrt.model.layers.linear import Linear, UnquantizedLinearMethod
 
+    from llmrt.kernels import kernels
+    from llmrt.kernels.packed import packed_bytes
+
     total = parameter_bytes(model)
+    uses: dict[int, int] = {}  # a weight shared with another module (a tied LM head's) stays counted
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
     for m in model.modules():
-        if isinstance(m, Linear) and type(m.method) is not UnquantizedLinearMethod and quant is not None:
-            held = sum(p.numel() * p.element_size() for n, p in m.named_parameters(recurse=False) if n != "bias")
-            total += quant.weight_bytes(m.out_features, m.in_features) - held
+        if isinstance(m, Linear) and type(m.method) is not UnquantizedLinearMethod and m.quant_config is not None:
+            held = sum(p.numel() * p.element_size() for n, p in m.named_parameters(recurse=False)
+                       if n != "bias" and uses[id(p)] == 1)
+            total += m.quant_config.weight_bytes(m.out_features, m.in_features) - held
+        elif isinstance(m, Linear) and kernels() is not None and m.weight.dtype in (torch.float32, torch.bfloat16):
+            # Packed for llmrt's CPU kernels (llmrt/kernels/packed.py); a tied LM head's copy comes on top.
+            fmt = "fp32" if m.weight.dtype == torch.float32 else "bf16"
+            total += packed_bytes(fmt, m.out_features, m.in_features) - (
+                m.weight.numel() * m.weight.element_size() if uses[id(m.weight)] == 1 else 0)
     return total

@@ -30,15 +30,16 @@ ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
                "-DLLMRT_AVX512"],
 }
-# Steps of up to this many rows run our kernel; larger ones torch's GEMM (int8/int4 weights dequantized into one
-# reused buffer first). Chosen from benchmarks/linear-kernels.md (110m layer shapes) and an idle rerun on an
-# AVX-512-BF16 CPU (docs/performance.md): summed over the 110m layer shapes, ours matches torch's native bf16 at
-# 1 row, is 1.2x faster at 2, even at 4, and 1.7x slower at 8 (a batch of 8 lost 27% throughput with the old
-# limit of 8). "bf16 upcast": bf16 weights on a CPU without bf16 arithmetic (activations fp32), where torch's
-# path is an fp32 GEMM over an upcast copy. fp32 (idle, summed over the same shapes): ours 3.5 vs torch's
-# 9.3 ms at 1 row, 6.2 vs 18.3 at 8, 19.8 vs 41.9 at 64. int8/int4: ours matched or beat dequantize+GEMM up to
-# 64 rows; where torch's packed int4 kernel applies, the int4 method prefers it (int4.py says why).
-MAX_ROWS = {"fp32": 64, "bf16": 4, "bf16 upcast": 16, "int8": 64, "int4": 64}
+# Steps of up to this many rows run our kernel; larger ones torch's GEMM over the weights unpacked from our layout
+# into one reused buffer (int8/int4 dequantized). Chosen from benchmarks/linear-kernels.md (110m layer shapes) and
+# an idle rerun on an AVX-512-BF16 CPU (docs/performance.md): with the old row-major kernels, ours matched torch's
+# native bf16 at 1-4 rows and was 1.7x slower at 8. Since weights are packed, torch's path also pays the unpack
+# (one read and write of the layer), and the packed kernel is 1.5-2x faster: at 8 rows on gate_up (1 thread,
+# load 7) ours 0.46 ms vs torch 0.37 + unpack 0.32 ms, at 64 rows ours 12.3 vs 3.8 + 0.5 -> bf16 up to 8.
+# "bf16 upcast": bf16 weights on a CPU without bf16 arithmetic (activations fp32), where torch's path is an fp32
+# GEMM over an upcast copy. fp32 (idle, summed over the same shapes, old kernels): ours 3.5 vs torch's 9.3 ms at
+# 1 row, 6.2 vs 18.3 at 8, 19.8 vs 41.9 at 64. int8/int4: ours matched or beat dequantize+GEMM up to 64 rows.
+MAX_ROWS = {"fp32": 64, "bf16": 8, "bf16 upcast": 16, "int8": 64, "int4": 64}
 ISA_NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq")}
 
 
@@ -54,6 +55,7 @@ class KernelLib:
     linear_fp32: Callable[..., torch.Tensor]
     linear_int8: Callable[..., torch.Tensor]
     linear_int4: Callable[..., torch.Tensor]
+    unpack: Callable[..., None]
     dequantize_int4: Callable[..., None]
 
 
@@ -69,7 +71,7 @@ def build_dir(isa: str) -> Path:
 def _ops(isa: str, path: Path, how: str, seconds: float) -> KernelLib:
     ns = getattr(torch.ops, f"llmrt_{isa}")
     return KernelLib(isa, path, how, seconds, ns.linear_bf16.default, ns.linear_fp32.default,
-                     ns.linear_int8.default, ns.linear_int4.default, ns.dequantize_int4.default)
+                     ns.linear_int8.default, ns.linear_int4.default, ns.unpack.default, ns.dequantize_int4.default)
 
 
 @functools.lru_cache(maxsize=None)

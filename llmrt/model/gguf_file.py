@@ -112,6 +112,13 @@ def gguf_default_quantization(path: str) -> Optional[str]:
     return None
 
 
+def gguf_output_quantized(path: str) -> bool:
+    """Whether the file's LM head (output.weight, or token_embd.weight when tied) is stored in a quantized type."""
+    types = {t.name: t.tensor_type.name for t in _reader(path).tensors}
+    kind = types.get("output.weight", types.get("token_embd.weight", "F32"))
+    return kind not in ("F32", "F16", "BF16")
+
+
 def gguf_tensors(path: str, hf_config: dict[str, Any],
                  int4_rows: bool = False) -> Iterator[tuple[str, "torch.Tensor | Int4Rows"]]:
     """(HF tensor name, float32 tensor) for every tensor, dequantized by gguf's reference code; with

@@ -85,7 +85,7 @@ def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
     # A GGUF served as int4 with its own block size keeps its 4-bit tensors' integers (gguf_int4.py).
     int4_rows = is_gguf(model_cfg.model) and model_cfg.quantization == "int4" and model_cfg.quant_group_size == 32
     if int4_rows:
-        quant = GgufInt4Config()
+        quant = GgufInt4Config(model_cfg.quant_options()["lm_head"])
     try:
         model = build_model(model_cfg.hf_config, arch, dtype, compute_dtype(device, dtype), device, quant)
     except KeyError as e:
@@ -98,6 +98,9 @@ def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.process_weights_after_loading(module)
+    if model_cfg.quantization:
+        head = "int8, per output channel" if model_cfg.lm_head_quantization == "int8" else f"{dtype} (not quantized)"
+        logger.info("weights %s; LM head %s (--lm-head-quantization)", model_cfg.quantization, head)
     return model.eval()
 
 

@@ -53,6 +53,28 @@ def use_kernel(layer: "Linear", x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.shape[0] <= layer.kernel_max_rows and x.dtype in KERNEL_X_DTYPES
 
 
+def pack_for_kernels(layer: "Linear", w: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
+    """Keep fp32/bf16 (or int8 with row `scale`) weights only in the kernels' packed layout (`layer.packed`, its
+    tensors registered as parameters so memory plans count them). A tied LM head's packed copy is extra memory:
+    the embedding keeps its rows for lookups."""
+    from llmrt.kernels.packed import PackedLinear
+
+    layer.packed = PackedLinear.dense(layer.kernels, w, layer.bias, scale)
+    if hasattr(layer, "weight"):
+        del layer.weight
+    layer.weight_packed = nn.Parameter(layer.packed.data, requires_grad=False)
+    if layer.packed.scale is not None:
+        layer.weight_scale = nn.Parameter(layer.packed.scale, requires_grad=False)
+
+
+def unpacked(layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    """`layer.packed`'s weights as a dense [out, in] matrix in x's dtype (float32 for other dtypes), in the
+    shared upcast buffer: for steps larger than the kernels take (torch's GEMM runs them)."""
+    p = layer.packed
+    dtype = x.dtype if x.dtype in KERNEL_X_DTYPES else torch.float32
+    return p.unpack_into(UPCAST.buffer((p.n, p.padded_in if p.fmt == "int4" else p.k), dtype, x.device))
+
+
 class LinearMethod:
     """How a Linear stores its weights and multiplies by them (unquantized, int8, int4, fp8, ...)."""
 
@@ -89,18 +111,20 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         w = layer.weight
-        if w.dtype in (torch.bfloat16, torch.float32) and w.is_contiguous():
+        if w.dtype in (torch.bfloat16, torch.float32):
             from llmrt.kernels import for_layer
 
             upcast = w.dtype == torch.bfloat16 and layer.compute_dtype not in (None, torch.bfloat16)
             fmt = "fp32" if w.dtype == torch.float32 else "bf16 upcast" if upcast else "bf16"
             layer.kernels, layer.kernel_max_rows = for_layer(fmt, w)
+            if layer.kernels is not None:
+                pack_for_kernels(layer, w.data)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        w, b = layer.weight, layer.bias
+        b = layer.bias
         if use_kernel(layer, x):
-            fn = layer.kernels.linear_fp32 if w.dtype == torch.float32 else layer.kernels.linear_bf16
-            return fn(x, w, b)
+            return layer.packed(x)
+        w = layer.weight if layer.packed is None else unpacked(layer, x)
         if layer.compute_dtype is not None and w.dtype != layer.compute_dtype:
             if x.shape[0] <= layer.native_max_rows:
                 return F.linear(x.to(w.dtype), w, b).to(layer.compute_dtype)
@@ -164,8 +188,19 @@ class Linear(nn.Module):
         self.row_tile = 0  # > 0: --deterministic, matmuls on fixed-size row tiles (model/layers/batch_invariant.py)
         self.kernels = None  # llmrt.kernels.KernelLib when the method chose our kernels (process_weights_after_loading)
         self.kernel_max_rows = 0  # steps of up to this many rows run them
+        self.packed = None  # llmrt.kernels.packed.PackedLinear: the weights in the kernels' layout
+        self.quant_config = quant_config
         self.method: LinearMethod = quant_config.linear_method(self) if quant_config else UnquantizedLinearMethod()
         self.method.create_weights(self, in_features, self.out_features, bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] weight: `weight`, or a copy unpacked from the kernels' layout (bf16 stays bf16, fp32
+        fp32; int8/int4 dequantized to float32, int4 inputs padded to its group)."""
+        p = self.packed
+        if p is None:
+            return self.weight
+        dtype = torch.bfloat16 if p.fmt == "bf16" else torch.float32
+        return p.unpack_into(torch.empty(p.n, p.padded_in if p.fmt == "int4" else p.k, dtype=dtype))
 
     def shard_slice(self, shard: int) -> slice:
         """Rows of the fused weight that belong to HF projection number `shard`."""

@@ -66,7 +66,9 @@ class GPT2LMHeadModel(CausalLM):
                                else StageMissingLayer() for i in range(c["n_layer"]))
         self.ln_f = LayerNorm(c["n_embd"], c.get("layer_norm_epsilon", 1e-5)) if last else None
         self.lm_head = Linear(c["n_embd"], [c["vocab_size"]], False, compute_dtype, parallel="column",
-                              shards=[vocab_shard(c["vocab_size"])]) if last else None  # type: ignore[assignment]
+                              shards=[vocab_shard(c["vocab_size"])],
+                              quant_config=quant_config.lm_head_config() if quant_config else None
+                              ) if last else None  # type: ignore[assignment]
         if first and last:
             self.lm_head.weight = self.wte.weight
         elif last:  # the tied table lives on the first stage: this stage reads its own copy

@@ -183,11 +183,11 @@ class LlamaForCausalLM(CausalLM):
                  quant_config: Optional[QuantizationConfig] = None):
         super().__init__(hf_config, compute_dtype)
         self.arch = LlamaArch.from_hf(hf_config, architecture)
-        # The LM head stays unquantized (as in vLLM): its logits set every sampling decision.
         self.model = LlamaModel(self.arch, rope_parameters(hf_config), compute_dtype, quant_config)
-        if self.stage.is_last:
+        if self.stage.is_last:  # in the format the quantization config chooses for it (int8 or the model dtype)
             self.lm_head = Linear(self.arch.hidden, [self.arch.vocab], False, compute_dtype, parallel="column",
-                                  shards=[vocab_shard(self.arch.vocab)])
+                                  shards=[vocab_shard(self.arch.vocab)],
+                                  quant_config=quant_config.lm_head_config() if quant_config else None)
         else:
             self.lm_head = None  # type: ignore[assignment]
         if self.arch.tied and self.stage.is_last:

@@ -25,4 +25,29 @@ def get_quantization_config(name: Optional[str], options: Optional[dict[str, Any
     return cls.from_options(options or {})
 
 
-__all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "get_quantization_config"]
+LM_HEAD_CHOICES = ("auto", "int8", "none")
+
+
+def resolve_lm_head(choice: str, quantization: Optional[str], gguf_path: Optional[str] = None) -> str:
+    """The LM head's format, "int8" or "none", for --lm-head-quantization `choice`: auto quantizes it to int8 with
+    --quantization int8/int4 (from a GGUF file: only when the file's own output matrix is quantized), and leaves
+    it in the model dtype otherwise; int8 needs one of those methods."""
+    if choice not in LM_HEAD_CHOICES:
+        raise UnsupportedError(f"lm_head_quantization {choice!r}: expected one of {', '.join(LM_HEAD_CHOICES)}",
+                               param="lm_head_quantization")
+    if quantization not in ("int8", "int4"):
+        if choice == "int8":
+            raise UnsupportedError("--lm-head-quantization int8 goes with --quantization int8 or int4",
+                                   param="lm_head_quantization")
+        return "none"
+    if choice != "auto":
+        return choice
+    if gguf_path is not None:
+        from llmrt.model.gguf_file import gguf_output_quantized
+
+        return "int8" if gguf_output_quantized(gguf_path) else "none"
+    return "int8"
+
+
+__all__ = ["LM_HEAD_CHOICES", "QUANTIZATION_METHODS", "QuantizationConfig", "get_quantization_config",
+           "resolve_lm_head"]

@@ -17,6 +17,10 @@ class QuantizationConfig(ABC):
     def linear_method(self, layer: "Linear") -> "LinearMethod":
         """The method that creates and applies `layer`'s weights."""
 
+    def lm_head_config(self) -> "QuantizationConfig | None":
+        """The format of the LM head (None: the model dtype, the default for formats that do not say)."""
+        return None
+
     def weight_bytes(self, out_features: int, in_features: int) -> int:
         """Bytes one [out, in] weight takes once quantized, scales included (for `llmrt plan`)."""
         raise NotImplementedError

@@ -71,15 +71,14 @@ class GgufInt4Method(Int4LinearMethod):
     def process_weights_after_loading(self, layer: "Linear") -> None:
         q, scale, zero = layer.weight.data.to(torch.int32), layer.gguf_scale.data, layer.gguf_zero.data
         del layer.weight, layer.gguf_scale, layer.gguf_zero
-        layer.int4_in_pad = q.shape[1] - layer.in_features
         self.store_quantized(layer, q, scale, zero)
 
 
 class GgufInt4Config(Int4Config):
     """--quantization int4 (group size 32) on a GGUF file: its 4-bit tensors keep their integers."""
 
-    def __init__(self) -> None:
-        super().__init__(GGUF_GROUP)
+    def __init__(self, lm_head: str = "int8") -> None:
+        super().__init__(GGUF_GROUP, lm_head)
 
     def linear_method(self, layer: "Linear") -> GgufInt4Method:
         return GgufInt4Method()

@@ -64,7 +64,7 @@ class CheckpointInt4Config(Int4Config):
         if bits != 4:
             raise UnsupportedError(f"{self.name.upper()} checkpoints with {bits}-bit weights are not supported; "
                                    "only 4-bit (served by the int4 method)", param="quantization")
-        super().__init__(KERNEL_GROUP_SIZES[-1])
+        super().__init__(KERNEL_GROUP_SIZES[-1], lm_head="none")  # the checkpoint's LM head is not quantized
 
     def kernel_group_size(self, in_features: int) -> int:
         """The int4 group size for a layer: the checkpoint's, or a divisor of it that the kernels take."""
@@ -80,8 +80,13 @@ class CheckpointInt4Config(Int4Config):
         return CheckpointInt4Method(self, self.kernel_group_size(layer.in_features))
 
     def weight_bytes(self, out_features: int, in_features: int) -> int:
-        groups = in_features // self.kernel_group_size(in_features)
-        return out_features * (in_features // 2 + groups * 2 * 2)
+        from llmrt.kernels import kernels
+        from llmrt.kernels.packed import packed_bytes
+
+        g = self.kernel_group_size(in_features)
+        if kernels() is not None:  # llmrt's layout: rows padded to 4s
+            return packed_bytes("int4", out_features, in_features, g)
+        return out_features * (in_features // 2 + in_features // g * 2 * 2)
 
     def unpack(self, qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [N, K], z [N, G]) from the checkpoint's packed tensors."""
@@ -179,7 +184,6 @@ class CheckpointInt4Method(Int4LinearMethod):
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             if hasattr(layer, name):
                 delattr(layer, name)
-        layer.int4_in_pad = 0
         self.store_quantized(layer, q, scale, zero)
 
 

@@ -1,10 +1,10 @@
 """Weight-only int4: asymmetric group-wise (a scale and a zero per group of input weights), packed two per byte.
 
-On CPU, layers whose output size is a multiple of 16 keep torch's packed layout and use its int4 kernel with bf16
-activations for every step (measured faster than ours end to end). Other CPU layers, with llmrt's kernels
-(llmrt/kernels), are packed in their layout (`pack_int4_chunks`) with bf16 scales and zeros: small steps run the
-kernel, larger ones dequantize into one reused buffer and run the compute dtype's GEMM. Elsewhere (CUDA, or no
-kernels) the nibbles are packed plainly and dequantized to the compute dtype per matmul.
+On CPU with llmrt's kernels (llmrt/kernels), weights are packed in their layout (llmrt/kernels/packed.py: blocks of
+4 rows, `pack_int4_chunks` byte order) with bf16 scales and zeros: small steps run the kernel, larger ones
+dequantize into one reused buffer and run the compute dtype's GEMM. Without them, layers whose output size is a
+multiple of 16 use torch's packed int4 kernel (bf16 activations). Elsewhere (CUDA, or neither) the nibbles are
+packed plainly and dequantized to the compute dtype per matmul.
 Values follow tinygemm's convention: w = (q - 8) * scale + zero, q in [0, 15].
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmrt.model.layers.linear import UPCAST, UnquantizedLinearMethod, use_kernel
+from llmrt.model.layers.linear import UnquantizedLinearMethod, unpacked, use_kernel
 from llmrt.model.quantization.base import QuantizationConfig
 
 if TYPE_CHECKING:
@@ -117,25 +117,28 @@ class Int4LinearMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: "Linear") -> None:
         w = layer.weight.data
         # Inputs not a multiple of the group size are padded with zero weights (and zero activations in apply).
-        layer.int4_in_pad = -w.shape[1] % self.group_size
-        q, scale, zero = quantize_int4(F.pad(w, (0, layer.int4_in_pad)), self.group_size)
+        q, scale, zero = quantize_int4(F.pad(w, (0, -w.shape[1] % self.group_size)), self.group_size)
         del layer.weight
         self.store_quantized(layer, q, scale, zero)
 
     def store_quantized(self, layer: "Linear", q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
-        """Keep quantize_int4's (q, scale, zero) in this method's layout; also the entry for checkpoints that
-        arrive quantized (GPTQ, AWQ, GGUF 4-bit), which set `layer.int4_in_pad` themselves."""
+        """Keep quantize_int4's (q, scale, zero), inputs padded to the group with zero weights, in this method's
+        layout; also the entry for checkpoints that arrive quantized (GPTQ, AWQ, GGUF 4-bit)."""
         from llmrt.kernels import for_layer
+        from llmrt.kernels.packed import PackedLinear
 
+        layer.int4_in_pad = q.shape[1] - layer.in_features
         n = q.shape[0]
-        # torch's packed int4 kernel where it applies (CPU, N % 16 == 0): idle, end to end on the 110m model, it
-        # decoded in 8.0-13.2 ms per token where ours took 13.7-17.4 (docs/quantization.md); ours covers the rest.
-        layer.int4_torch_packed = q.device.type == "cpu" and n % 16 == 0
-        use_ours = not layer.int4_torch_packed and self.group_size % 32 == 0
+        use_ours = q.device.type == "cpu" and self.group_size % 32 == 0
         layer.kernels, layer.kernel_max_rows = for_layer("int4", q) if use_ours else (None, 0)
+        # torch's packed int4 kernel where ours is missing (CPU, N % 16 == 0); ours is faster where it is built
+        # (benchmarks/gemv-bandwidth.md, docs/quantization.md).
+        layer.int4_torch_packed = layer.kernels is None and q.device.type == "cpu" and n % 16 == 0
         if layer.kernels is not None:
-            layer.qweight = nn.Parameter(pack_int4_chunks(q), requires_grad=False)
-            layer.scales_zeros = nn.Parameter(torch.stack([scale, zero], dim=-1).bfloat16(), requires_grad=False)
+            layer.packed = PackedLinear.int4(layer.kernels, q, scale, zero, self.group_size, layer.in_features,
+                                             layer.bias)
+            layer.qweight = nn.Parameter(layer.packed.data, requires_grad=False)
+            layer.scales_zeros = nn.Parameter(layer.packed.sz, requires_grad=False)
         elif layer.int4_torch_packed:
             layer.qweight = nn.Parameter(torch._convert_weight_to_int4pack_for_cpu(q, 1), requires_grad=False)
             sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
@@ -147,15 +150,12 @@ class Int4LinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         out_dtype, b = x.dtype, layer.bias
-        if layer.kernels is not None:
+        if layer.packed is not None:
             if use_kernel(layer, x):  # pads x itself
-                return layer.kernels.linear_int4(x, layer.qweight, layer.scales_zeros, self.group_size, b)
-            n, kp = layer.qweight.shape[0], layer.qweight.shape[1] * 2
-            dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
-            w = UPCAST.buffer((n, kp), dtype, x.device)
-            layer.kernels.dequantize_int4(layer.qweight, layer.scales_zeros, self.group_size, w)
+                return layer.packed(x)
+            w = unpacked(layer, x)
             x = F.pad(x, (0, layer.int4_in_pad)) if layer.int4_in_pad else x
-            return F.linear(x.to(dtype), w, b.to(dtype) if b is not None else None).to(out_dtype)
+            return F.linear(x.to(w.dtype), w, b.to(w.dtype) if b is not None else None).to(out_dtype)
         if layer.int4_in_pad:
             x = F.pad(x, (0, layer.int4_in_pad))
         if layer.int4_torch_packed:
@@ -171,16 +171,29 @@ class Int4Config(QuantizationConfig):
 
     name = "int4"
 
-    def __init__(self, group_size: int = 32):
+    def __init__(self, group_size: int = 32, lm_head: str = "int8"):
         self.group_size = group_size
+        # The LM head in int8, as llama.cpp keeps output.weight above 4 bits in its Q4 files (Q6_K): its logits
+        # decide every token, and int4 there costs more quality than its bytes save (docs/quantization.md).
+        self.lm_head = lm_head
 
     def linear_method(self, layer: "Linear") -> Int4LinearMethod:
         return Int4LinearMethod(self.group_size)
 
+    def lm_head_config(self) -> "QuantizationConfig | None":
+        from llmrt.model.quantization.int8 import Int8Config
+
+        return Int8Config(lm_head="none") if self.lm_head == "int8" else None
+
     def weight_bytes(self, out_features: int, in_features: int) -> int:
+        from llmrt.kernels import kernels
+        from llmrt.kernels.packed import packed_bytes
+
+        if kernels() is not None and self.group_size % 32 == 0:  # llmrt's layout: rows padded to 4s
+            return packed_bytes("int4", out_features, in_features, self.group_size)
         groups = -(-in_features // self.group_size)
         return out_features * groups * (self.group_size // 2 + 2 * 2)  # nibbles, a bf16 scale and zero per group
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "Int4Config":
-        return cls(int(options.get("group_size", 32)))
+        return cls(int(options.get("group_size", 32)), options.get("lm_head", "int8"))

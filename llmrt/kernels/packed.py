@@ -1,0 +1,124 @@
+"""Weights in the layout of llmrt's linear kernels, packed once at load, and the calls that use them.
+
+Layout (linear.cpp says why): output rows in blocks of 4, each row cut into chunks of KC inputs (32; 16 for
+fp32, so a chunk is at most 64 bytes), block b stored as chunk 0 of rows 4b..4b+3, then chunk 1 of the same
+rows, ... Rows are padded to a multiple of 4 and inputs to a whole chunk (int4: a whole group) with zeros, so
+the kernel has no tails. int4 chunks keep `pack_int4_chunks`'s byte order (16 bytes per row and chunk) and
+their (scale, zero) pairs are interleaved the same way per group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from llmrt.kernels import KernelLib
+
+NB = 4  # rows per block (linear.cpp's NB)
+KC = {torch.float32: 16, torch.bfloat16: 32, torch.int8: 32}
+
+
+def _interleave(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[Np, Kp] (Np % 4 == 0, Kp % chunk == 0) -> [Np/4, Kp*4] in block-chunk order."""
+    n, k = t.shape
+    return t.view(n // NB, NB, k // chunk, chunk).permute(0, 2, 1, 3).reshape(n // NB, NB * k).contiguous()
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    return F.pad(t, (0,) * (2 * t.dim() - 1) + (-t.shape[0] % NB,))
+
+
+def pack_dense(w: torch.Tensor) -> torch.Tensor:
+    """fp32, bf16 or int8 [N, K] -> the kernels' packed [ceil(N/4), 4*Kp]."""
+    chunk = KC[w.dtype]
+    return _interleave(F.pad(_pad_rows(w), (0, -w.shape[1] % chunk)), chunk)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int4's (q [N, Kp], scale, zero [N, Kp/g]), Kp a multiple of the group (itself of 32) ->
+    (packed uint8 [ceil(N/4), 2*Kp], (scale, zero) bf16 [ceil(N/4), G, 4, 2])."""
+    from llmrt.model.quantization.int4 import pack_int4_chunks
+
+    nibbles = _interleave(_pad_rows(pack_int4_chunks(q)), 16)
+    sz = _pad_rows(torch.stack([scale, zero], dim=-1).bfloat16())  # [Np, G, 2]
+    np_, g = sz.shape[:2]
+    return nibbles, sz.view(np_ // NB, NB, g, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def packed_bytes(fmt: str, n: int, k: int, group_size: int = 32) -> int:
+    """Bytes an [n, k] weight takes packed (padding, int8 scales, int4 scales and zeros included): the plan's
+    count of what PackedLinear holds."""
+    n4 = -(-n // NB) * NB
+    if fmt == "int4":
+        kp = -(-k // group_size) * group_size
+        return n4 * (kp // 2 + kp // group_size * 4)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[fmt]
+    kp = -(-k // KC[dtype]) * KC[dtype]
+    return n4 * kp * dtype.itemsize + (n4 * 4 if fmt == "int8" else 0)
+
+
+@dataclass
+class PackedLinear:
+    """One layer's weights in the kernels' layout with what its calls need: out/in sizes, int8 row scales,
+    int4 group (scale, zero) pairs, and the bias as float32 (converted once here, not per call)."""
+
+    lib: "KernelLib"
+    fmt: str  # "fp32" | "bf16" | "int8" | "int4"
+    n: int
+    k: int
+    data: torch.Tensor
+    scale: Optional[torch.Tensor] = None
+    sz: Optional[torch.Tensor] = None
+    group_size: int = 0
+    bias: Optional[torch.Tensor] = None
+
+    @classmethod
+    def dense(cls, lib: "KernelLib", w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              scale: Optional[torch.Tensor] = None) -> "PackedLinear":
+        """fp32/bf16 weights, or int8 ones with their float32 row scales."""
+        fmt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}[w.dtype]
+        if scale is not None:
+            scale = _pad_rows(scale.float()).contiguous()
+        return cls(lib, fmt, w.shape[0], w.shape[1], pack_dense(w), scale=scale, bias=_bias(bias))
+
+    @classmethod
+    def int4(cls, lib: "KernelLib", q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+             in_features: int, bias: Optional[torch.Tensor] = None) -> "PackedLinear":
+        """quantize_int4's output (inputs padded to the group) for a layer of `in_features` inputs."""
+        data, sz = pack_int4(q, scale, zero)
+        return cls(lib, "int4", q.shape[0], in_features, data, sz=sz, group_size=group_size, bias=_bias(bias))
+
+    @property
+    def padded_in(self) -> int:
+        """Inputs including the zero padding (activations are padded to it by the kernel)."""
+        return self.data.shape[1] * (2 if self.fmt == "int4" else 1) // NB
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernel streams per call (weights, scales)."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.sz) if t is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x W^T + b for a 2-D float32/bfloat16 x (y in x's dtype)."""
+        lib, b = self.lib, self.bias
+        if self.fmt == "int4":
+            return lib.linear_int4(x, self.data, self.sz, self.group_size, self.n, b)
+        if self.fmt == "int8":
+            return lib.linear_int8(x, self.data, self.scale, self.n, b)
+        return (lib.linear_fp32 if self.fmt == "fp32" else lib.linear_bf16)(x, self.data, self.n, b)
+
+    def unpack_into(self, out: torch.Tensor) -> torch.Tensor:
+        """The dense [N, K] weights (int8: times their scales; int4: dequantized, K padded to the group) written
+        into `out` (float32 or bfloat16, e.g. a shared upcast buffer), for steps torch's GEMM runs."""
+        if self.fmt == "int4":
+            self.lib.dequantize_int4(self.data, self.sz, self.group_size, out)
+        else:
+            self.lib.unpack(self.data, self.scale, out)
+        return out
+
+
+def _bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if bias is None else bias.detach().float().contiguous()
