@@ -230,6 +230,9 @@ def test_queued_request_past_its_timeout_gets_408(small_server):
 def test_engine_death_fails_the_stream_and_health(checkpoints):
     with run_server(checkpoints["llama3"], "--enable-debug-endpoints") as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=30, max_retries=0)
+        # 50 ms per step: the stream cannot finish its 230 tokens before the crash lands (with the fast kernels a
+        # tiny model generated them all while the client was still reading the first events)
+        _post(base, "/debug/fault", json={"kind": "slow", "seconds": 0.05})
         stream = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=230, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         with pytest.raises(openai.APIError) as e:
