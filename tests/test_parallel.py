@@ -209,20 +209,13 @@ def test_a_rank_reads_only_its_slices_of_the_checkpoint(models):
 
 @pytest.mark.slow
 def test_tp2_over_a_local_ray_cluster_matches_tp1(models, tmp_path_factory):
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'llmrt[ray]')")
-    import shutil
-    import tempfile
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'llmrt[ray]')")
+    from tests.ray_utils import local_ray_cluster
 
-    # a private temp dir (short: Ray's socket paths have a length limit); ray.shutdown() stops only this cluster
-    temp_dir = tempfile.mkdtemp(prefix="llmrt-ray-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, namespace="llmrt-tp", log_to_driver=False)
-    try:
+    with local_ray_cluster("llmrt-tp"):
         ref, _ = _generate(models["qwen2"], 1)
         got, _ = _generate(models["qwen2"], 2, distributed_executor_backend="ray")
         _assert_same(ref, got)
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_plan_counts_rank_bytes_and_estimates_communication(models, capsys):

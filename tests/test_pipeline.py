@@ -141,19 +141,13 @@ def test_tp2_by_pp2_matches_one_rank(models, monkeypatch):
 
 @pytest.mark.slow
 def test_pp2_over_a_local_ray_cluster_matches_one_rank(models):
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'llmrt[ray]')")
-    import shutil
-    import tempfile
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'llmrt[ray]')")
+    from tests.ray_utils import local_ray_cluster
 
-    temp_dir = tempfile.mkdtemp(prefix="llmrt-ray-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, namespace="llmrt-pp", log_to_driver=False)
-    try:
+    with local_ray_cluster("llmrt-pp"):
         ref, _ = _generate(models["gpt2"], 1)
         got, _ = _generate(models["gpt2"], 2, distributed_executor_backend="ray")
         _assert_same(ref, got)
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.slow

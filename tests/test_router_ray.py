@@ -3,15 +3,14 @@ replica whose serve process is killed is restarted by Ray and served from again.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 from collections import Counter
 
 import httpx
 import pytest
 
 from llmrt.router import instances
+from tests.ray_utils import local_ray_cluster
 from tests.server_utils import REPO, wait_until
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'llmrt[ray]')")
@@ -23,14 +22,8 @@ ADMIN = {"Authorization": "Bearer router-admin"}
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    # a private temp dir (short: Ray's socket paths have a length limit); ray.shutdown() stops only this cluster
-    temp_dir = tempfile.mkdtemp(prefix="llmrt-ray-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, namespace="llmrt", log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with local_ray_cluster("llmrt") as address:
+        yield address
 
 
 def _served(base: str, n: int) -> Counter:

@@ -2,8 +2,6 @@
 joins a local Ray cluster the test starts (and alone stops), and answers a completion and a stream like one rank."""
 from __future__ import annotations
 
-import shutil
-import tempfile
 
 import openai
 import pytest
@@ -11,6 +9,7 @@ import pytest
 from llmrt import LLM
 from llmrt.sampling_params import SamplingParams
 from tests.conftest import build_checkpoint
+from tests.ray_utils import local_ray_cluster
 from tests.server_utils import run_server, wait_until
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'llmrt[ray]')")
@@ -22,14 +21,8 @@ PROMPT = "Once upon a time there was a little girl who lived in a small house ne
 
 @pytest.fixture(scope="module")
 def ray_address():
-    # a private temp dir (short: Ray's socket paths have a length limit); ray.shutdown() stops only this cluster
-    temp_dir = tempfile.mkdtemp(prefix="llmrt-ray-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, namespace="llmrt-serve", log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with local_ray_cluster("llmrt-serve") as address:
+        yield address
 
 
 def test_serve_tp2_on_ray_matches_one_rank(ray_address, tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from llmrt.bench import random_model
@@ -97,6 +98,37 @@ def _plan_link(times: dict[int, float], hidden: int, tp: int) -> Any:
     return Link(bandwidth, latency)
 
 
+@dataclass
+class SplitWorkload:
+    """What `bench parallel` and `bench parallel --pp` share: the model, its prompts, this host's all-reduce probe
+    (the plan's link figures) and the engines' options."""
+
+    model: str
+    cfg: dict[str, Any]
+    batch: list[list[int]]
+    single: list[int]
+    load_start: float
+    allreduce: dict[str, Any]
+    opts: dict[str, Any]
+
+
+def prepare_workload(args: argparse.Namespace) -> SplitWorkload:
+    """The random model, a batch of `num_prompts` prompts and one single-stream prompt, and the all-reduce probe."""
+    from llmrt.bench.allreduce_probe import probe
+
+    model = random_model.cached_random_llama(args.random_model)
+    cfg = model_config(model)
+    pool = vocab_pool(model)
+    batch = make_prompts(pool, args.num_prompts, args.input_len, args.input_len, seed=0)
+    single = make_prompts(pool, 1, args.input_len, args.input_len, seed=1)[0]
+    load_start = load_average()
+    log(f"all-reduce probe (hidden {cfg['hidden_size']}): this host's latency and bandwidth for the plan")
+    allreduce = probe(cfg["hidden_size"])
+    opts = dict(dtype="float32", max_model_len=args.input_len + args.output_len + 8,
+                max_num_seqs=max(args.num_prompts, 1), kv_cache_memory=256 << 20)
+    return SplitWorkload(str(model), cfg, batch, single, load_start, allreduce, opts)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the comparison, print it, write benchmarks/parallel.{json,md} (with --pp > 1: the pipeline one)."""
     if args.pp > 1:
@@ -106,20 +138,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from llmrt import LLM
-    from llmrt.bench.allreduce_probe import TRANSPORTS, probe
+    from llmrt.bench.allreduce_probe import TRANSPORTS
     from llmrt.distributed.comm_model import Device, estimate_step
     from llmrt.executor.distributed import usable_cores
 
-    model = random_model.cached_random_llama(args.random_model)
-    cfg = model_config(model)
-    pool = vocab_pool(model)
-    batch = make_prompts(pool, args.num_prompts, args.input_len, args.input_len, seed=0)
-    single = make_prompts(pool, 1, args.input_len, args.input_len, seed=1)[0]
-    load_start = load_average()
-    log(f"all-reduce probe (hidden {cfg['hidden_size']})")
-    allreduce = probe(cfg["hidden_size"])
-    opts = dict(dtype="float32", max_model_len=args.input_len + args.output_len + 8,
-                max_num_seqs=max(args.num_prompts, 1), kv_cache_memory=256 << 20)
+    w = prepare_workload(args)
+    model, cfg, batch, single, load_start, allreduce, opts = (w.model, w.cfg, w.batch, w.single, w.load_start,
+                                                              w.allreduce, w.opts)
     split = {f"tp{args.tp} {t}": t for t in TRANSPORTS}
     tp1 = LLM(model, **opts)
     # Rank 0 of a split engine shares this process: each engine runs with its own intra-op threads (all cores

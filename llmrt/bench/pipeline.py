@@ -13,8 +13,6 @@ import argparse
 import time
 from typing import Any
 
-from llmrt.bench import random_model
-from llmrt.bench.prompts import make_prompts, model_config, vocab_pool
 from llmrt.bench.report import load_average, log, machine_info, now_iso, write_results
 from llmrt.table import format_table
 
@@ -67,21 +65,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from llmrt import LLM
-    from llmrt.bench.allreduce_probe import probe
+    from llmrt.bench.parallel import prepare_workload
     from llmrt.distributed.comm_model import Device, Link, estimate_step
     from llmrt.executor.distributed import usable_cores
     from llmrt.worker.pipeline_step import num_micro_batches
 
-    model = random_model.cached_random_llama(args.random_model)
-    cfg = model_config(model)
-    pool = vocab_pool(model)
-    batch = make_prompts(pool, args.num_prompts, args.input_len, args.input_len, seed=0)
-    single = make_prompts(pool, 1, args.input_len, args.input_len, seed=1)[0]
-    load_start = load_average()
-    log(f"all-reduce probe (hidden {cfg['hidden_size']}): this host's gloo latency and bandwidth for the plan")
-    allreduce = probe(cfg["hidden_size"])
-    opts = dict(dtype="float32", max_model_len=args.input_len + args.output_len + 8,
-                max_num_seqs=max(args.num_prompts, 1), kv_cache_memory=256 << 20)
+    w = prepare_workload(args)
+    model, cfg, batch, single, load_start, allreduce, opts = (w.model, w.cfg, w.batch, w.single, w.load_start,
+                                                              w.allreduce, w.opts)
     tp_name, pp_name = f"tp{args.tp}", f"pp{args.pp}"
     # One split engine per process (one process group): the split engines are started afresh in every round
     # and shut down after it; the one-rank engine stays loaded.
