@@ -161,8 +161,10 @@ def test_more_ranks_than_cores_is_refused(models, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill", "hang"])
-def test_a_dead_or_hung_rank_is_engine_dead_within_the_timeout(fault, models):
-    llm = LLM(str(models["llama3"]), tensor_parallel_size=2, distributed_timeout=3.0, **OPTS)
+@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_dead_or_hung_rank_is_engine_dead_within_the_timeout(fault, split, models):
+    """A TP rank or a pipeline stage (rank 1 either way) killed or stopped: engine_dead within the timeout."""
+    llm = LLM(str(models["llama3"]), **{split: 2}, distributed_timeout=3.0, **OPTS)
     (pid,) = llm.engine.executor.worker_pids
     try:
         llm.generate(PROMPTS[:1], GREEDY)
