@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
+import gguf  # a dev dependency (make test installs it): missing is a failure, not a skip
 
 from llmrt.config import ModelConfig  # noqa: E402
 from llmrt.engine.llm import LLM  # noqa: E402

@@ -211,7 +211,6 @@ def test_a_rank_reads_only_its_slices_of_the_checkpoint(models):
 
 @pytest.mark.slow
 def test_tp2_over_a_local_ray_cluster_matches_tp1(models, tmp_path_factory):
-    pytest.importorskip("ray", reason="Ray is not installed (pip install 'llmrt[ray]')")
     from tests.ray_utils import local_ray_cluster
 
     with local_ray_cluster("llmrt-tp"):

@@ -137,7 +137,6 @@ def test_tp2_by_pp2_matches_one_rank(models, monkeypatch):
 
 @pytest.mark.slow
 def test_pp2_over_a_local_ray_cluster_matches_one_rank(models):
-    pytest.importorskip("ray", reason="Ray is not installed (pip install 'llmrt[ray]')")
     from tests.ray_utils import local_ray_cluster
 
     with local_ray_cluster("llmrt-pp"):

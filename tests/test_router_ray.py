@@ -8,12 +8,12 @@ from collections import Counter
 
 import httpx
 import pytest
+import ray  # a dev dependency (make test installs it): missing is a failure, not a skip
 
 from llmrt.router import instances
 from tests.ray_utils import local_ray_cluster
 from tests.server_utils import REPO, wait_until
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'llmrt[ray]')")
 
 pytestmark = pytest.mark.slow
 

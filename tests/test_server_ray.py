@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+import ray  # a dev dependency (make test installs it): missing is a failure, not a skip
 
 from llmrt import LLM
 from llmrt.sampling_params import SamplingParams
@@ -12,7 +13,6 @@ from tests.conftest import build_checkpoint
 from tests.ray_utils import local_ray_cluster
 from tests.server_utils import run_server, wait_until
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'llmrt[ray]')")
 
 pytestmark = pytest.mark.slow
 
