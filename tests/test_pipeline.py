@@ -13,6 +13,7 @@ from llmrt.sampling_params import SamplingParams
 from llmrt.worker.pipeline_step import num_micro_batches, split_micro_batches
 from tests.conftest import build_checkpoint
 from tests.test_parallel import CASES, GREEDY, OPTS, PROMPTS, _assert_same
+from tests.test_parallel import _generate as tp_generate
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +24,7 @@ def models(tmp_path_factory):
 
 
 def _generate(model, pp: int, prompts=PROMPTS, params=GREEDY, tp: int = 1, **kw):
-    llm = LLM(str(model), pipeline_parallel_size=pp, tensor_parallel_size=tp, **{**OPTS, **kw})
-    try:
-        return llm.generate(prompts, params), llm.engine.scheduler.num_preemptions_total
-    finally:
-        llm.shutdown()
+    return tp_generate(model, tp, prompts, params, pipeline_parallel_size=pp, **kw)
 
 
 @pytest.mark.slow
