@@ -246,3 +246,23 @@ def test_engine_death_fails_the_stream_and_health(checkpoints):
         _assert_error(_post(base, "/v1/completions", json=_greedy(4)), 503, "engine_dead", None, True)
         with pytest.raises(openai.InternalServerError):
             client.chat.completions.create(model="llama3", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_a_killed_server_leaves_no_named_semaphores(checkpoints):
+    """SIGKILL of the whole process group (API process, engine core, resource tracker) leaves nothing in /dev/shm:
+    the API and the core talk over pipes, not mp.Queue (whose named semaphores only a clean exit unlinks)."""
+    import os
+    import signal
+    from pathlib import Path
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm on this system")  # named POSIX semaphores live elsewhere (macOS)
+    before = {p.name for p in shm.glob("sem.mp-*")}
+    with run_server(checkpoints["llama3"]) as base:
+        r = httpx.post(f"{base}/v1/completions", json=_greedy(4), timeout=30)
+        assert r.status_code == 200
+        os.killpg(base.proc.pid, signal.SIGKILL)
+        base.proc.wait(timeout=10)
+    time.sleep(0.5)  # the engine core may still be dying
+    assert {p.name for p in shm.glob("sem.mp-*")} - before == set()

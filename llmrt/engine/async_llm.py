@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from llmrt.config import EngineConfig, ServerConfig
 from llmrt.engine.admission import AdmissionController
+from llmrt.engine.channel import channel
 from llmrt.engine.core import validate_request
 from llmrt.engine.core_process import run_engine_core
 from llmrt.engine.messages import (FAULT_KINDS, AbortRequest, AddRequest, CoreFailed, CoreMessage, CoreReady,
@@ -86,14 +87,17 @@ class AsyncLLM:
     async def start(self) -> None:
         """Start the engine-core process and wait until its model is loaded and its KV cache sized."""
         ctx = mp.get_context("spawn")
-        self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+        core_inbox, self._inbox = channel(ctx, background=True)  # the event loop's puts never block on the pipe
+        self._outbox, core_outbox = channel(ctx)
         # A daemonic process may not start children: with several ranks the core spawns them, so it is not
         # daemonic (it still exits when the server goes: it watches its parent, and its ranks watch it).
         self._proc = ctx.Process(target=run_engine_core, name="llmrt-engine-core",
                                  daemon=self.config.parallel.world_size == 1,
-                                 args=(self.config, self._inbox, self._outbox, logging.getLogger().getEffectiveLevel(),
+                                 args=(self.config, core_inbox, core_outbox, logging.getLogger().getEffectiveLevel(),
                                        self.tokenizer_path))
         self._proc.start()
+        core_inbox.close()  # the child has its own copies; without ours, its death reads as EOF here
+        core_outbox.close()
         self._loop = asyncio.get_running_loop()
         msg = await self._loop.run_in_executor(None, self._wait_ready)
         if isinstance(msg, CoreFailed):
@@ -105,6 +109,9 @@ class AsyncLLM:
         while True:
             try:
                 return self._outbox.get(timeout=0.5)
+            except EOFError:
+                self._proc.join(5.0)
+                return CoreFailed(EngineDeadError(f"engine core exited during start-up (code {self._proc.exitcode})"))
             except queue.Empty:
                 if not self._proc.is_alive():
                     return CoreFailed(EngineDeadError(f"engine core exited during start-up (code {self._proc.exitcode})"))
@@ -218,6 +225,7 @@ class AsyncLLM:
                     return
                 continue
             except (EOFError, OSError):
+                self._proc.join(2.0)  # reap it, so the error names its exit code
                 self._deliver(self._on_dead, self._proc.exitcode)
                 return
             self._deliver(self._on_message, msg)

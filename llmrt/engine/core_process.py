@@ -48,6 +48,8 @@ def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: in
         except queue.Empty:
             if os.getppid() != parent:
                 return  # the server is gone
+        except EOFError:
+            return  # the server is gone (its end of the pipe closed)
         outputs = []
         acknowledged: list[str] = []
         for msg in msgs:
