@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -115,6 +116,14 @@ def _target(model: CausalLM, hf_name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def _weights_bar() -> tqdm:
+    """A progress bar over the checkpoint's tensors (on a terminal only). tqdm's default lock adds a
+    multiprocessing RLock, a named semaphore that a killed engine process leaves in /dev/shm: a thread lock does."""
+    if not hasattr(tqdm, "_lock"):
+        tqdm.set_lock(threading.RLock())
+    return tqdm(desc="loading weights", unit="tensor", disable=None, leave=False)
+
+
 def load_weights(model: CausalLM, model_dir: Path, int4_rows: bool = False) -> None:
     """Hand every checkpoint tensor to its parameter's weight_loader; name any tensor missing or misshapen."""
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -135,7 +144,7 @@ def load_weights(model: CausalLM, model_dir: Path, int4_rows: bool = False) -> N
 
     loaded: set[tuple[str, int | None]] = set()
     unexpected: list[str] = []
-    with tqdm(desc="loading weights", unit="tensor", disable=None, leave=False) as bar:
+    with _weights_bar() as bar:
         for hf_name, tensor in checkpoint_tensors(model_dir, model.hf_config, int4_rows):
             bar.update(1)
             if hf_name.endswith(model.ignored_suffixes):
