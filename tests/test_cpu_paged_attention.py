@@ -64,7 +64,7 @@ def test_kernel_reads_bf16_and_strided_queries_as_their_float_copies():
     qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).to(torch.bfloat16)
     q = qkv[:, :heads * dim].view(n, heads, dim)
     assert not q.is_contiguous()
-    kernel = load_kernel()
+    kernel = load_kernel().decode
     got = kernel(q, k_cache, v_cache, tables, lens, dim ** -0.5, 0)
     want = kernel(q.float().contiguous(), k_cache, v_cache, tables, lens, dim ** -0.5, 0).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
