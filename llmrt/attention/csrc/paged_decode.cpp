@@ -49,11 +49,22 @@ inline vf vload(const c10::BFloat16* p) {  // bf16 bits are the high half of the
   std::memcpy(&v, &u, sizeof(v));
   return v;
 }
-inline float hsum(vf v) {
-  float s = 0.f;
-  for (int64_t i = 0; i < L; ++i) s += v[i];
-  return s;
+// Horizontal sum as a tree (halve, add, repeat): a serial sum over the lanes is a chain of L dependent adds,
+// which made the per-token dot products latency-bound.
+template <int N>
+inline float tree_sum(const float* p) {
+  if constexpr (N == 4) {
+    return (p[0] + p[2]) + (p[1] + p[3]);
+  } else {
+    typedef float vh_t __attribute__((vector_size(2 * N)));
+    vh_t a, b;
+    std::memcpy(&a, p, sizeof(a));
+    std::memcpy(&b, p + N / 2, sizeof(b));
+    const vh_t c = a + b;
+    return tree_sum<N / 2>(reinterpret_cast<const float*>(&c));
+  }
 }
+inline float hsum(vf v) { return tree_sum<L>(reinterpret_cast<const float*>(&v)); }
 // exp over a register (Cephes' single-precision polynomial, ~1 ulp): softmax's exps vectorize with the rest.
 inline vf vexp(vf x) {
   x = x < -87.3f ? vf{} - 87.3f : x;
