@@ -4,7 +4,7 @@ best wall TPOT and best CPU TPOT (process CPU time per decode step, which other 
 host do not inflate; with more than one thread it also counts threads spinning at barriers).
 
 usage: python w2_tpot_ab.py OLD_DIR NEW_DIR MODEL WORKLOAD [--dtype bfloat16] [--quantization int4] [--threads 1]
-       [--rounds 3] [--reps 3] [--out FILE]
+       [--rounds 3] [--reps 3] [--env-old K=V ...] [--env-new K=V ...] [--out FILE]
 """
 import argparse
 import json
@@ -47,15 +47,18 @@ ap.add_argument("--quantization", default="none")
 ap.add_argument("--threads", type=int, default=1, help="0: torch's default")
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--reps", type=int, default=3)
+ap.add_argument("--env-old", nargs="*", default=[], help="K=V set for the old side's processes only")
+ap.add_argument("--env-new", nargs="*", default=[], help="K=V set for the new side's processes only")
 ap.add_argument("--out")
 args = ap.parse_args()
 
 
-def one(checkout: str) -> dict:
-    """One fresh process against `checkout`: its figures and the load average around it."""
+def one(checkout: str, env: list[str]) -> dict:
+    """One fresh process against `checkout` with `env` added: its figures and the load average around it."""
     load0 = os.getloadavg()[0]
+    extra = dict(e.split("=", 1) for e in env)
     out = subprocess.run([sys.executable, "-c", CHILD, args.model, args.workload, args.dtype, args.quantization,
-                          str(args.threads), str(args.reps)], env={**os.environ, "PYTHONPATH": checkout},
+                          str(args.threads), str(args.reps)], env={**os.environ, **extra, "PYTHONPATH": checkout},
                          check=True, capture_output=True, text=True).stdout
     res = json.loads(out.strip().splitlines()[-1])
     res["load"] = [load0, os.getloadavg()[0]]
@@ -64,7 +67,10 @@ def one(checkout: str) -> dict:
 
 rounds = []
 for r in range(args.rounds):
-    pair = {"old": one(args.old), "new": one(args.new)} if r % 2 == 0 else {"new": one(args.new), "old": one(args.old)}
+    first, second = ("old", "new") if r % 2 == 0 else ("new", "old")
+    side = {"old": (args.old, args.env_old), "new": (args.new, args.env_new)}
+    pair = {first: one(*side[first])}
+    pair[second] = one(*side[second])
     rounds.append(pair)
     print(json.dumps({k: {m: v[m] for m in ("wall_tpot_ms", "cpu_tpot_ms", "load")} for k, v in pair.items()}),
           flush=True)
