@@ -95,7 +95,19 @@ inline float dot(const float* q, const KV* row, int64_t nc) {
   return hsum(acc);
 }
 
+// Ask for the next block's rows of this pass's heads while the current block is computed: blocks are scattered
+// in the cache, so the hardware prefetchers lose the stream at every block boundary.
+template <typename KV>
+inline void prefetch_block(const KV* base, int64_t tokens, int64_t row, int64_t elems) {
+  const int64_t line = 64 / int64_t(sizeof(KV));
+  for (int64_t j = 0; j < tokens; ++j)
+    for (int64_t e = 0; e < elems; e += line) __builtin_prefetch(base + j * row + e);
+}
+
 // Q: the query and output type (float or bf16: converted here, so the caller makes no float copies).
+// A task takes a range of (sequence, KV head) items and does a sequence's consecutive KV heads in one pass over
+// its blocks: with one thread, every head of a token row (kv_heads * dim contiguous elements) is read together, so
+// a block of the cache streams sequentially instead of once per head at a stride.
 template <typename KV, typename Q>
 void decode_kernel(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64_t* tables, const int64_t* lens,
                    Q* out, int64_t num_seqs, int64_t table_width, int64_t block_size, int64_t heads,
@@ -104,6 +116,7 @@ void decode_kernel(const Q* q_in, const KV* k_cache, const KV* v_cache, const in
   const int64_t row = kv_heads * dim;  // elements per cached token
   const bool vec = dim % L == 0;
   const int64_t nc = dim / L;
+  const float sc = static_cast<float>(scale);
   // About 64 KiB of K/V per task (a sequence x KV head reads 2 * len * dim elements): short contexts stay on
   // the calling thread, where a parallel region would cost more than the work.
   int64_t avg_len = 1;
@@ -111,41 +124,48 @@ void decode_kernel(const Q* q_in, const KV* k_cache, const KV* v_cache, const in
   avg_len /= std::max<int64_t>(1, num_seqs);
   const int64_t grain = std::max<int64_t>(1, 65536 / (2 * avg_len * dim * int64_t(sizeof(KV))));
   at::parallel_for(0, num_seqs * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, inv(group), qf(group * dim);  // per thread, reused
-    std::vector<vf> acc(group * std::max<int64_t>(nc, 1));
-    std::vector<float> acc_s(vec ? 0 : group * dim);
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t s = work / kv_heads, h = work % kv_heads;
+    std::vector<float> scores, inv(heads), qf(heads * dim);  // per thread, reused
+    std::vector<vf> acc(heads * std::max<int64_t>(nc, 1));
+    std::vector<float> acc_s(vec ? 0 : heads * dim);
+    for (int64_t work = begin; work < end;) {
+      const int64_t s = work / kv_heads, h0 = work % kv_heads;
+      const int64_t h1 = std::min(kv_heads, h0 + (end - work));
+      work += h1 - h0;
+      const int64_t rows = (h1 - h0) * group;  // query heads of this pass: h0 * group .. h1 * group
       const int64_t len = lens[s];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
-      scores.resize(group * n + L);  // every entry below n is written before it is read; + L: vector tail
-      const Q* qin = q_in + s * q_stride + h * group * dim;
-      for (int64_t i = 0; i < group * dim; ++i) qf[i] = to_float(qin[i]);
+      scores.resize(rows * n + L);  // every entry below n is written before it is read; + L: vector tail
+      const Q* qin = q_in + s * q_stride + h0 * group * dim;
+      for (int64_t i = 0; i < rows * dim; ++i) qf[i] = to_float(qin[i]);
       const int64_t* table = tables + s * table_width;
-      const float sc = static_cast<float>(scale);
       // Scores, walking the blocks in order (no division per token).
       for (int64_t pos = first, t = 0; pos < len;) {
         const int64_t off = pos % block_size, take = std::min(block_size - off, len - pos);
-        const KV* k = k_cache + (table[pos / block_size] * block_size + off) * row + h * dim;
+        const KV* k = k_cache + (table[pos / block_size] * block_size + off) * row + h0 * dim;
+        if (pos + take < len) {
+          prefetch_block(k_cache + table[(pos + take) / block_size] * block_size * row + h0 * dim,
+                         std::min(block_size, len - pos - take), row, (h1 - h0) * dim);
+        }
         for (int64_t j = 0; j < take; ++j, k += row) {
-          for (int64_t g = 0; g < group; ++g) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const KV* kh = k + (r / group) * dim;
             float d;
             if (vec) {
-              d = dot(qf.data() + g * dim, k, nc);
+              d = dot(qf.data() + r * dim, kh, nc);
             } else {
               d = 0.f;
-              for (int64_t e = 0; e < dim; ++e) d += qf[g * dim + e] * to_float(k[e]);
+              for (int64_t e = 0; e < dim; ++e) d += qf[r * dim + e] * to_float(kh[e]);
             }
-            scores[g * n + t + j] = d * sc;
+            scores[r * n + t + j] = d * sc;
           }
         }
         pos += take;
         t += take;
       }
-      // Softmax per head of the group (unnormalized; 1/sum applied to the output).
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * n;
+      // Softmax per query head (unnormalized; 1/sum applied to the output).
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sg = scores.data() + r * n;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
         vf sum = vf{};
@@ -165,38 +185,49 @@ void decode_kernel(const Q* q_in, const KV* k_cache, const KV* v_cache, const in
             total += e[i];
           }
         }
-        inv[g] = 1.f / total;
+        inv[r] = 1.f / total;
       }
       // Weighted sum of V rows.
       if (vec) {
-        std::fill(acc.begin(), acc.end(), vf{});
+        std::fill(acc.begin(), acc.begin() + rows * nc, vf{});
       } else {
-        std::fill(acc_s.begin(), acc_s.end(), 0.f);
+        std::fill(acc_s.begin(), acc_s.begin() + rows * dim, 0.f);
       }
       for (int64_t pos = first, t = 0; pos < len;) {
         const int64_t off = pos % block_size, take = std::min(block_size - off, len - pos);
-        const KV* v = v_cache + (table[pos / block_size] * block_size + off) * row + h * dim;
+        const KV* v = v_cache + (table[pos / block_size] * block_size + off) * row + h0 * dim;
+        if (pos + take < len) {
+          prefetch_block(v_cache + table[(pos + take) / block_size] * block_size * row + h0 * dim,
+                         std::min(block_size, len - pos - take), row, (h1 - h0) * dim);
+        }
         for (int64_t j = 0; j < take; ++j, v += row) {
-          if (vec) {
-            for (int64_t c = 0; c < nc; ++c) {
-              const vf vv = vload(v + c * L);
-              for (int64_t g = 0; g < group; ++g) acc[g * nc + c] += scores[g * n + t + j] * vv;
-            }
-          } else {
-            for (int64_t g = 0; g < group; ++g) {
-              const float p = scores[g * n + t + j];
-              for (int64_t e = 0; e < dim; ++e) acc_s[g * dim + e] += p * to_float(v[e]);
+          for (int64_t hh = 0; hh < h1 - h0; ++hh) {
+            const KV* vh_row = v + hh * dim;
+            if (vec) {
+              for (int64_t c = 0; c < nc; ++c) {
+                const vf vv = vload(vh_row + c * L);
+                for (int64_t g = 0; g < group; ++g) {
+                  const int64_t r = hh * group + g;
+                  acc[r * nc + c] += scores[r * n + t + j] * vv;
+                }
+              }
+            } else {
+              for (int64_t g = 0; g < group; ++g) {
+                const int64_t r = hh * group + g;
+                const float p = scores[r * n + t + j];
+                for (int64_t e = 0; e < dim; ++e) acc_s[r * dim + e] += p * to_float(vh_row[e]);
+              }
             }
           }
         }
         pos += take;
         t += take;
       }
-      for (int64_t g = 0; g < group; ++g) {
-        Q* o = out + (s * heads + h * group + g) * dim;
+      for (int64_t r = 0; r < rows; ++r) {
+        Q* o = out + (s * heads + h0 * group + r) * dim;
         for (int64_t e = 0; e < dim; ++e) {
-          const float a = vec ? acc[g * nc + e / L][e % L] : acc_s[g * dim + e];
-          to_out(o + e, a * inv[g]);
+          const float a = vec ? acc[r * nc + e / L][e % L] : acc_s[r * dim + e];
+          to_out(o + e, a * inv[r]);
         }
       }
     }
