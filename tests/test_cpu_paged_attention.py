@@ -64,7 +64,7 @@ def test_kernel_reads_bf16_and_strided_queries_as_their_float_copies():
     qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).to(torch.bfloat16)
     q = qkv[:, :heads * dim].view(n, heads, dim)
     assert not q.is_contiguous()
-    kernel = load_kernel()
+    kernel = load_kernel().decode
     got = kernel(q, k_cache, v_cache, tables, lens, dim ** -0.5, 0)
     want = kernel(q.float().contiguous(), k_cache, v_cache, tables, lens, dim ** -0.5, 0).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
@@ -121,3 +121,78 @@ def test_cpu_kv_cache_is_zeroed_memory_taken_on_first_touch():
     layers[0][0].fill_(1.0)
     grown = proc.memory_info().rss - before
     assert size // 8 * 0.9 < grown < size // 8 + size // 16
+
+
+def test_decode_metadata_fast_path_equals_the_general_one():
+    from llmrt.attention import build_decode_metadata
+
+    bs = 4
+    tables = [[7, 2], [5], [9, 3, 11, 1], [0]]
+    lens = [6, 1, 16, 4]
+    pos = torch.tensor([n - 1 for n in lens])
+    ref = build_common_metadata(tables, [1] * 4, lens, pos, 4, bs, torch.device("cpu"))
+    got, got_pos = build_decode_metadata(tables, lens, bs, torch.device("cpu"))
+    assert torch.equal(got_pos, pos)
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert (got.num_decodes, got.query_start_loc_cpu, got.seq_lens_cpu) == (4, ref.query_start_loc_cpu, lens)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=["src_f32", "src_bf16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_cache_write_stores_strided_rows_like_index_copy(src_dtype, kv_dtype):
+    g = torch.Generator().manual_seed(5)
+    kv_heads, dim, n = 2, 16, 3
+    qkv = torch.randn(n, (4 + 2 * kv_heads) * dim, generator=g).to(src_dtype)
+    k = qkv[:, 4 * dim:(4 + kv_heads) * dim].view(n, kv_heads, dim)
+    v = qkv[:, (4 + kv_heads) * dim:].view(n, kv_heads, dim)
+    assert not k.is_contiguous()
+    slots = torch.tensor([9, 0, 22])
+    caches = [torch.randn(6, 4, kv_heads, dim, generator=g).to(kv_dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    want[0].view(-1, kv_heads, dim).index_copy_(0, slots, k.to(kv_dtype))
+    want[1].view(-1, kv_heads, dim).index_copy_(0, slots, v.to(kv_dtype))
+    load_kernel().cache_write(k, v, slots, caches[0], caches[1])
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        load_kernel().cache_write(k, v, torch.tensor([9, 0, 24]), caches[0], caches[1])
+
+
+def test_decode_write_is_the_write_then_the_decode():
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, bs = 6, 2, 32, 4
+    tables = torch.tensor([[3, 1, 4], [0, 5, 2]])
+    lens = torch.tensor([10, 7])
+    slots = torch.tensor([1 * bs + 1, 5 * bs + 2])  # position len - 1 of each
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * dim, generator=g).to(torch.bfloat16)
+    q = qkv[:, :heads * dim].view(2, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(2, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(2, kv_heads, dim)
+    caches = [torch.randn(6, bs, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in range(2)]
+    ref = [c.clone() for c in caches]
+    ops = load_kernel()
+    ops.cache_write(k, v, slots, ref[0], ref[1])
+    want = ops.decode(q, ref[0], ref[1], tables, lens, dim ** -0.5, 0)
+    got = ops.decode_write(q, k, v, slots, caches[0], caches[1], tables, lens, dim ** -0.5, 0)
+    assert torch.equal(got, want) and torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+
+
+@pytest.mark.parametrize("dim", [64, 24], ids=["vector", "scalar_tail"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_kernel_against_float64_softmax_attention(dim, kv_dtype):
+    # Head dims that are and are not a multiple of the vector width, contexts longer than a vector of scores.
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, bs = 4, 2, 16
+    lens = torch.tensor([1, 37, 130])
+    tables = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17],
+                           [18, 19, 20, 21, 22, 23, 24, 25, 26]])
+    k_cache = torch.randn(27, bs, kv_heads, dim, generator=g).to(kv_dtype)
+    v_cache = torch.randn(27, bs, kv_heads, dim, generator=g).to(kv_dtype)
+    q = torch.randn(3, heads, dim, generator=g)
+    got = load_kernel().decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, 0)
+    for s in range(3):
+        n = int(lens[s])
+        ks = k_cache[tables[s]].reshape(-1, kv_heads, dim)[:n].double().repeat_interleave(heads // kv_heads, 1)
+        vs = v_cache[tables[s]].reshape(-1, kv_heads, dim)[:n].double().repeat_interleave(heads // kv_heads, 1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[s].double(), ks) * dim ** -0.5, -1)
+        torch.testing.assert_close(got[s].double(), torch.einsum("ht,thd->hd", p, vs), atol=2e-5, rtol=1e-4)

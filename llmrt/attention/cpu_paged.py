@@ -1,10 +1,12 @@
 """The `cpu_paged` backend: decodes read K/V blocks where they lie in the paged cache (a small C++ kernel), instead
 of gathering every sequence's blocks into a padded copy per layer per step as the `torch` backend does.
 
-Prefill spans, int8 KV caches and anything the kernel does not cover go through the `torch` backend's code. The
-kernel (csrc/paged_decode.cpp) is compiled once per source and torch version into `$LLMRT_CACHE_DIR/attention`
-(default ~/.cache/llmrt/attention; llmrt/kernels/build.py, shared with the linear kernels) and later processes
-only load the .so. Where it cannot be built (no compiler,
+The kernel (csrc/paged_decode.cpp) also stores the step's new K/V rows at their slots: a decode-only step's
+attention is one call per layer (`paged_decode_write`), other steps store with `cache_write` and run prefill
+spans through the `torch` backend's code. int8/fp8 KV caches and CUDA keep `torch`'s code throughout. The kernel is
+compiled once per source, ISA flags (the capability table's `kernel_isa`) and torch version into
+`$LLMRT_CACHE_DIR/attention` (default ~/.cache/llmrt/attention; llmrt/kernels/build.py, shared with the linear
+kernels) and later processes only load the .so. Where it cannot be built (no compiler,
 LLMRT_ATTENTION_KERNEL=0) the backend is not offered and `auto` picks `torch`.
 """
 from __future__ import annotations
@@ -12,15 +14,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from llmrt.attention.base import register_attention_backend
 from llmrt.attention.kv_quant import is_quantized
 from llmrt.attention.torch_sdpa import TorchAttentionBackend, TorchAttentionMetadata
-from llmrt.hardware import cpu_flags
+from llmrt.hardware import kernel_isa
+from llmrt.kernels import ISA_FLAGS
 from llmrt.kernels.build import load_or_compile
 
 if TYPE_CHECKING:
@@ -29,15 +33,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
+_FLOAT = (torch.float32, torch.bfloat16)
 
 
 def _cflags() -> list[str]:
-    return _CFLAGS + (["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else [])
+    return _CFLAGS + ISA_FLAGS.get(kernel_isa() or "", [])
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The loaded ops (torch.ops.llmrt_attn): decode, decode after storing the new K/V, and the store alone."""
+
+    decode: Callable[..., torch.Tensor]  # (q, k_cache, v_cache, tables, lens, scale, window) -> out
+    decode_write: Callable[..., torch.Tensor]  # (q, k, v, slots, k_cache, v_cache, tables, lens, scale, window)
+    cache_write: Callable[..., None]  # (k, v, slots, k_cache, v_cache)
 
 
 @functools.lru_cache(maxsize=None)
-def load_kernel() -> Optional[object]:
-    """torch.ops.llmrt_attn.paged_decode, loaded from the cache or compiled into it; None where it cannot be."""
+def load_kernel() -> Optional[AttentionKernels]:
+    """The attention ops, loaded from the cache or compiled into it; None where they cannot be."""
     if os.environ.get("LLMRT_ATTENTION_KERNEL", "1").lower() in ("0", "off"):
         return None
     try:
@@ -48,12 +62,18 @@ def load_kernel() -> Optional[object]:
         return None
     logger.info("cpu_paged attention kernel %s in %.2f s (%s)", "loaded from cache" if b.how == "cached"
                 else "compiled", b.seconds, b.path)
-    return torch.ops.llmrt_attn.paged_decode.default
+    ns = torch.ops.llmrt_attn
+    return AttentionKernels(ns.paged_decode.default, ns.paged_decode_write.default, ns.cache_write.default)
+
+
+def _heads_contiguous(q: torch.Tensor) -> torch.Tensor:
+    """q as the kernel reads it: each token's heads contiguous (tokens may be strided, as views into qkv are)."""
+    return q if q.stride(-1) == 1 and q.stride(1) == q.shape[2] else q.contiguous()
 
 
 @register_attention_backend
 class CpuPagedAttentionBackend(TorchAttentionBackend):
-    """CPU decodes straight from the paged cache; everything else as the `torch` backend."""
+    """CPU decodes straight from the paged cache, K/V stores in the same call; prefills as the `torch` backend."""
 
     name = "cpu_paged"
     device_types = ("cpu",)
@@ -63,19 +83,38 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     def supports(cls, device: torch.device) -> bool:
         return device.type == "cpu" and load_kernel() is not None
 
+    def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: TorchAttentionMetadata) -> torch.Tensor:
+        k_cache = layer.k_cache
+        plain = k_cache.dtype in _FLOAT and k.dtype in _FLOAT and v.dtype == k.dtype and k.stride(-1) == 1 \
+            and v.stride(-1) == 1
+        if plain and meta.num_decodes and not meta.prefills and q.dtype in _FLOAT:
+            # A decode-only step: store and attend in one call, no copies (the kernel reads q, k and v where the
+            # qkv projection left them and widens bf16 / rounds the bf16 output itself).
+            return load_kernel().decode_write(
+                _heads_contiguous(q), k, v, meta.slot_mapping, k_cache, layer.v_cache, meta.decode_block_tables,
+                meta.decode_context_lens, layer.scale, layer.sliding_window or 0)
+        return super().forward(layer, q, k, v, meta)
+
+    def _write(self, layer: "Attention", k: torch.Tensor, v: torch.Tensor, meta: TorchAttentionMetadata,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        k_cache = layer.k_cache
+        if k_cache.dtype in _FLOAT and k.dtype in _FLOAT and v.dtype == k.dtype and k.stride(-1) == 1 \
+                and v.stride(-1) == 1:
+            load_kernel().cache_write(k, v, meta.slot_mapping, k_cache, layer.v_cache)
+            return k, v
+        return super()._write(layer, k, v, meta, dtype)
+
     def _decode(self, layer: "Attention", q: torch.Tensor, meta: TorchAttentionMetadata,  # type: ignore[override]
                 block_size: int) -> torch.Tensor:
         k_cache, v_cache = layer.k_cache, layer.v_cache
-        if is_quantized(k_cache) or k_cache.dtype not in (torch.float32, torch.bfloat16):
+        if is_quantized(k_cache) or k_cache.dtype not in _FLOAT:
             return TorchAttentionBackend._decode(layer, q, meta, block_size)
-        kernel = load_kernel()
+        decode = load_kernel().decode
         window = layer.sliding_window or 0
-        if q.dtype not in (torch.float32, torch.bfloat16):
+        if q.dtype not in _FLOAT:
             q32 = q.float().contiguous()
-            return kernel(q32, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, layer.scale,
+            return decode(q32, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, layer.scale,
                           window).to(q.dtype)
-        # No copies per layer per step: the kernel reads q where the qkv projection left it (tokens strided) and
-        # widens bf16 queries / rounds bf16 outputs itself.
-        if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
-            q = q.contiguous()
-        return kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, layer.scale, window)
+        return decode(_heads_contiguous(q), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                      layer.scale, window)

@@ -98,9 +98,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: TorchAttentionMetadata) -> torch.Tensor:
+        k, v = self._write(layer, k, v, meta, q.dtype)
+        return self._attend(layer, q, k, v, meta)
+
+    def _write(self, layer: "Attention", k: torch.Tensor, v: torch.Tensor, meta: TorchAttentionMetadata,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the step's new K/V at their slots; returns the K/V (as `dtype`) fresh prefill spans attend to."""
         k_cache, v_cache = layer.k_cache, layer.v_cache
         heads, stored = layer.num_kv_heads, k_cache.shape[-1]
-        block_size = k_cache.shape[1]
         if is_quantized(k_cache):
             kq, vq = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
             k_cache.view(-1, heads, stored).index_copy_(0, meta.slot_mapping, kq)
@@ -108,11 +113,18 @@ class TorchAttentionBackend(AttentionBackend):
             if meta.prefills:
                 # Fresh spans attend to the same rounded K/V a later read of the cache returns, so a prompt
                 # computes the same whether it is prefilled whole, in chunks, or found in the prefix cache.
-                k, v = dequantize_kv(kq, q.dtype), dequantize_kv(vq, q.dtype)
+                k, v = dequantize_kv(kq, dtype), dequantize_kv(vq, dtype)
         else:
             k_cache.view(-1, heads, stored).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
             v_cache.view(-1, heads, stored).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        return k, v
 
+    def _attend(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: TorchAttentionMetadata) -> torch.Tensor:
+        """Attention outputs of the step, the new K/V already in the cache."""
+        k_cache, v_cache = layer.k_cache, layer.v_cache
+        heads, stored = layer.num_kv_heads, k_cache.shape[-1]
+        block_size = k_cache.shape[1]
         d = meta.num_decodes
         if d and not meta.prefills:  # a decode-only step: the kernel's output is the whole result, no copy
             return self._decode(layer, q, meta, block_size)

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from llmrt.attention import build_common_metadata, select_attention_backend
+from llmrt.attention import build_common_metadata, build_decode_metadata, select_attention_backend
 from llmrt.config import EngineConfig
 from llmrt.distributed.pipeline import PipeComm, StageTimes
 from llmrt.engine.memory_plan import estimate_activation_peak, parameter_bytes
@@ -184,16 +184,22 @@ class ModelRunner:
         hidden = self.model(ids, pos, meta)
         if observe and self.proposer is not None:
             self.proposer.observe_forward(ids, pos, meta)
-        if not inp.logits_rows:
+        rows = inp.logits_rows
+        if not rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(inp.logits_rows, dtype=torch.long, device=dev)])
+        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):  # every row, in order (decode steps)
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
 
     def model_inputs(self, inp: StepInput) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Token ids, positions and attention metadata of a flat batch, on this runner's device."""
+        ids = torch.tensor(inp.input_ids, dtype=torch.long, device=self.device)
+        if inp.num_decodes == len(inp.query_lens) == len(inp.input_ids):  # decodes only: no batched index ops
+            common, pos = build_decode_metadata(inp.block_tables, inp.seq_lens, self.block_size, self.device)
+            return ids, pos, self.attn_backend.build_metadata(common)
         pos = inp.positions()
         common = build_common_metadata(inp.block_tables, inp.query_lens, inp.seq_lens, pos, inp.num_decodes,
                                        self.block_size, self.device)
-        ids = torch.tensor(inp.input_ids, dtype=torch.long, device=self.device)
         return ids, pos.to(self.device), self.attn_backend.build_metadata(common)
 
     def _prompt_logprobs(self, item: ScheduledSequence, logits: torch.Tensor) -> list[dict[int, float]]:
