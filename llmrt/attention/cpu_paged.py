@@ -32,7 +32,9 @@ _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 
 
 def _cflags() -> list[str]:
-    return _CFLAGS + (["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else [])
+    flags = cpu_flags()
+    isa = ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+    return _CFLAGS + isa + (["-mavx512f"] if isa and "avx512f" in flags else [])
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -20,9 +21,10 @@ inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline void to_out(float* o, float x) { *o = x; }
 inline void to_out(c10::BFloat16* o, float x) { *o = c10::BFloat16(x); }
 
+// The reference loop, for head dimensions the vector path does not take.
 // Q: the query and output type (float or bf16: converted here, so the caller makes no float copies).
 template <typename KV, typename Q>
-void decode_kernel(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64_t* tables, const int64_t* lens,
+void decode_generic(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64_t* tables, const int64_t* lens,
                    Q* out, int64_t num_seqs, int64_t table_width, int64_t block_size, int64_t heads,
                    int64_t kv_heads, int64_t dim, double scale, int64_t window, int64_t q_stride) {
   const int64_t group = heads / kv_heads;
@@ -79,6 +81,180 @@ void decode_kernel(const Q* q_in, const KV* k_cache, const KV* v_cache, const in
       }
     }
   });
+}
+
+// Vector lanes of the build's ISA through GCC vector extensions (AVX-512: 16, AVX2: 8, else 4).
+#if defined(__AVX512F__)
+constexpr int64_t L = 16;
+#elif defined(__AVX2__)
+constexpr int64_t L = 8;
+#else
+constexpr int64_t L = 4;
+#endif
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
+typedef uint32_t vu __attribute__((vector_size(4 * L)));
+typedef uint16_t vh __attribute__((vector_size(2 * L)));
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vf vload(const c10::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted into the high half
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int64_t i = 0; i < L; ++i) s += v[i];
+  return s;
+}
+
+// Cephes' single-precision exp polynomial (about 1 ulp), the same in every lane (as fused_ops.cpp's).
+inline vf vexp(vf x) {
+  x = x < -87.3f ? vf{} - 87.3f : x;
+  x = x > 88.37f ? vf{} + 88.37f : x;
+  const vf t = x * 1.44269504088896341f + 0.5f;
+  vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
+  n = n > t ? n - 1.f : n;
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(vf));
+  return p * scale;
+}
+
+// The same attention with the head dimension in NC registers of L lanes (dim == NC * L). A work unit is one
+// sequence with all its KV heads when there are enough sequences to share out (W1's batched decode), else one
+// (sequence, KV head): the K pass and the V pass walk the unit's tokens in cache order, reading each token's heads
+// as one contiguous run (a whole block is one stream, which the hardware prefetcher follows; per-head walks read
+// 128 of every 512 bytes and waited on memory), the scores' softmax runs L at a time (a vector exp), and the
+// outputs accumulate in an L1-sized buffer.
+template <int NC, typename KV, typename Q>
+void decode_vec(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64_t* tables, const int64_t* lens,
+                Q* out, int64_t num_seqs, int64_t table_width, int64_t block_size, int64_t heads, int64_t kv_heads,
+                double scale, int64_t window, int64_t q_stride) {
+  constexpr int64_t dim = NC * L;
+  const int64_t group = heads / kv_heads;
+  const int64_t row = kv_heads * dim;
+  const float sc = static_cast<float>(scale);
+  const int64_t split = num_seqs >= 4 * at::get_num_threads() ? 1 : kv_heads;  // units per sequence
+  const int64_t per = kv_heads / split, nh = per * group;                      // KV / query heads per unit
+  at::parallel_for(0, num_seqs * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, inv(nh);
+    std::vector<vf> q(nh * NC), acc(nh * NC);
+    std::vector<int64_t> offs;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t s = work / split, h0 = (work % split) * per;
+      const int64_t len = lens[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first, np = (n + L - 1) / L * L;
+      scores.resize(nh * np);
+      offs.resize(n);
+      const int64_t* table = tables + s * table_width;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = first + t;
+        offs[t] = (table[pos / block_size] * block_size + pos % block_size) * row + h0 * dim;
+      }
+      const Q* qin = q_in + s * q_stride + h0 * group * dim;
+      for (int64_t j = 0; j < nh; ++j) {
+        for (int c = 0; c < NC; ++c) {
+          for (int64_t i = 0; i < L; ++i) q[j * NC + c][i] = static_cast<float>(qin[j * dim + c * L + i]);
+        }
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const KV* krow = k_cache + offs[t];
+        for (int64_t hh = 0; hh < per; ++hh) {
+          vf kv[NC];
+          for (int c = 0; c < NC; ++c) kv[c] = vload(krow + hh * dim + c * L);
+          for (int64_t g = 0; g < group; ++g) {
+            const vf* qj = q.data() + (hh * group + g) * NC;
+            vf d = qj[0] * kv[0];
+            for (int c = 1; c < NC; ++c) d += qj[c] * kv[c];
+            scores[(hh * group + g) * np + t] = hsum(d) * sc;
+          }
+        }
+      }
+      for (int64_t j = 0; j < nh; ++j) {
+        float* sg = scores.data() + j * np;
+        for (int64_t t = n; t < np; ++t) sg[t] = std::numeric_limits<float>::lowest();  // finite: -ffast-math
+        vf mx = vf{} + std::numeric_limits<float>::lowest();
+        for (int64_t t = 0; t < np; t += L) {
+          const vf x = vload(sg + t);
+          mx = x > mx ? x : mx;
+        }
+        float m = mx[0];
+        for (int64_t i = 1; i < L; ++i) m = std::max(m, mx[i]);
+        vf sum{};
+        for (int64_t t = 0; t < np; t += L) {
+          vf e = vexp(vload(sg + t) - m);
+          if (t + L > n) {  // padding lanes: exp's clamp would leave ~1e-38, not 0
+            for (int64_t i = n - t; i < L; ++i) e[i] = 0.f;
+          }
+          std::memcpy(sg + t, &e, sizeof(vf));
+          sum += e;
+        }
+        inv[j] = 1.f / hsum(sum);
+      }
+      std::fill(acc.begin(), acc.end(), vf{});
+      for (int64_t t = 0; t < n; ++t) {
+        const KV* vrow = v_cache + offs[t];
+        for (int64_t hh = 0; hh < per; ++hh) {
+          vf vv[NC];
+          for (int c = 0; c < NC; ++c) vv[c] = vload(vrow + hh * dim + c * L);
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t j = hh * group + g;
+            const float p = scores[j * np + t];
+            vf* a = acc.data() + j * NC;
+            for (int c = 0; c < NC; ++c) a[c] += p * vv[c];
+          }
+        }
+      }
+      for (int64_t j = 0; j < nh; ++j) {
+        Q* o = out + (s * heads + h0 * group + j) * dim;
+        for (int c = 0; c < NC; ++c) {
+          for (int64_t i = 0; i < L; ++i) to_out(o + c * L + i, acc[j * NC + c][i] * inv[j]);
+        }
+      }
+    }
+  });
+}
+
+template <typename KV, typename Q>
+void decode_kernel(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64_t* tables, const int64_t* lens,
+                   Q* out, int64_t num_seqs, int64_t table_width, int64_t block_size, int64_t heads,
+                   int64_t kv_heads, int64_t dim, double scale, int64_t window, int64_t q_stride) {
+#define LLMRT_VEC(nc)                                                                                           \
+  case nc:                                                                                                      \
+    return decode_vec<nc, KV, Q>(q_in, k_cache, v_cache, tables, lens, out, num_seqs, table_width, block_size, \
+                                 heads, kv_heads, scale, window, q_stride);
+  if (dim % L == 0) {
+    switch (dim / L) {
+      LLMRT_VEC(1)
+      LLMRT_VEC(2)
+      LLMRT_VEC(4)
+      LLMRT_VEC(8)
+      LLMRT_VEC(16)
+      default:
+        break;
+    }
+  }
+#undef LLMRT_VEC
+  decode_generic<KV, Q>(q_in, k_cache, v_cache, tables, lens, out, num_seqs, table_width, block_size, heads,
+                        kv_heads, dim, scale, window, q_stride);
 }
 
 template <typename Q>
