@@ -197,7 +197,9 @@ def run(args: argparse.Namespace) -> int:
          "detail": f"per rank, tp={args.tp}" + (f", heaviest of pp={args.pp} stages" if args.pp > 1 else "")
                    + f", {settings['dtype']}"
                    + (f", decoder layers {args.quantization}" if args.quantization else "")
-                   + (f", LM head {settings['lm_head_quantization']}" if args.quantization else "")},
+                   + (f", LM head {settings['lm_head_quantization']}" if args.quantization else "")
+                   + (f", incl. {gib(plan.dense_copy_bytes)} GiB dense copies of packed layers (--dense-weight-copy)"
+                      if plan.dense_copy_bytes else "")},
         {"item": "activation peak", "GiB": gib(plan.activation_peak_bytes),
          "detail": f"a step of {min(args.max_num_batched_tokens, settings['max_model_len'])} tokens (estimate)"},
         {"item": "KV cache", "GiB": gib(plan.kv_cache_bytes),

@@ -86,6 +86,7 @@ def test_plan_counts_the_dense_weight_copy(checkpoints):
     model = build_model(hf, hf["architectures"][0], torch.float32, torch.float32, "meta")
     extra = dense_copy_layers(model)[1]
     assert extra > 0 and plans["on"].weights_bytes - plans["off"].weights_bytes == extra
+    assert plans["on"].dense_copy_bytes == extra and plans["off"].dense_copy_bytes == 0
     assert plans["auto"].weights_bytes == plans["on"].weights_bytes  # a tiny model in 16 GiB keeps them
     small = plan_memory(hf, memory_bytes=extra * 4, dtype=torch.float32, dense_weight_copy="auto")
     assert small.weights_bytes == plans["off"].weights_bytes

@@ -30,6 +30,7 @@ class MemoryPlan:
     num_blocks: int
     contexts: tuple[int, ...] = field(default=DEFAULT_CONTEXTS)
     kv_format: str = ""  # e.g. "bfloat16" or "int8 + float32 scale per token and head"
+    dense_copy_bytes: int = 0  # of weights_bytes: dense copies kept beside packed layers (`llmrt plan`'s count)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -151,12 +152,14 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
                                                    "checkpoint": hf_config.get("quantization_config")})
     from llmrt.distributed.pipeline import building_stage
 
-    weights, spec = 0, None
+    weights, dense, spec = 0, 0, None
     for stage in range(pp):
         # rank 0's shard of each stage: split layers at 1/tp, norms (and few KV heads) replicated
         with building_shard(0, tp), building_stage(stage, pp):
             model = build_model(hf_config, arch, dtype, dtype, "meta", quant)
-        weights = max(weights, _planned_weight_bytes(model, quant, dense_weight_copy, memory_bytes))
+        stage_weights, stage_dense = _planned_weight_bytes(model, quant, dense_weight_copy, memory_bytes)
+        if stage_weights > weights:
+            weights, dense = stage_weights, stage_dense
         spec = spec or model.kv_cache_spec()
     assert spec is not None
     per_token = kv_bytes_per_token(spec, kv_dtype or dtype, kv_cache_dtype)
@@ -168,12 +171,13 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
     blocks = num_kv_blocks(budget, per_token, block_size)
     fmt = str(kv_dtype or dtype).replace("torch.", "") if kv_cache_dtype == "auto" else \
         f"{kv_cache_dtype} + float32 scale per token and head"
-    return MemoryPlan(weights, activation, per_token, block_size, blocks, contexts, kv_format=fmt)
+    return MemoryPlan(weights, activation, per_token, block_size, blocks, contexts, kv_format=fmt,
+                      dense_copy_bytes=dense)
 
 
 def _planned_weight_bytes(model: torch.nn.Module, quant: Any, dense_weight_copy: str = "auto",
-                          memory_bytes: int = 0) -> int:
-    """Parameter bytes, with every quantized Linear's weight counted in its quantized size, and, where llmrt's CPU
+                          memory_bytes: int = 0) -> tuple[int, int]:
+    """(bytes, of which dense copies): parameter bytes, with every quantized Linear's weight counted in its quantized size, and, where llmrt's CPU
     kernels load on this machine, every fp32/bf16 Linear in their packed layout (as a CPU engine here holds it),
     plus its dense weights where `dense_weight_copy` keeps them beside the packed ones."""
     from llmrt.model.layers.linear import Linear, UnquantizedLinearMethod, dense_copy_layers
@@ -198,4 +202,4 @@ def _planned_weight_bytes(model: torch.nn.Module, quant: Any, dense_weight_copy:
             fmt = "fp32" if m.weight.dtype == torch.float32 else "bf16"
             total += packed_bytes(fmt, m.out_features, m.in_features) - (
                 m.weight.numel() * m.weight.element_size() if uses[id(m.weight)] == 1 and not keep else 0)
-    return total
+    return total, extra if keep else 0
