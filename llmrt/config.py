@@ -60,6 +60,9 @@ class ModelConfig:
     # The LM head's format: auto (int8 with --quantization int8/int4; from a GGUF, only if the file's is quantized),
     # int8, or none (the model dtype). Resolved in __post_init__ (quantization.resolve_lm_head).
     lm_head_quantization: str = "auto"
+    # CPU: whether fp32/bf16 layers packed for llmrt's kernels also keep dense weights for steps larger than the
+    # kernels take (auto: when the copies fit in 1/8 of memory; kernels.packed.keep_dense_copy), or unpack per step.
+    dense_weight_copy: str = "auto"
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     torch_dtype: torch.dtype = torch.float32
 
@@ -100,6 +103,8 @@ class ModelConfig:
             )
         if self.served_model_name is None:
             self.served_model_name = path.resolve().stem if path.is_file() else path.resolve().name
+        if self.dense_weight_copy not in ("auto", "on", "off"):
+            raise InvalidRequestError("dense_weight_copy must be one of auto, on, off", param="dense_weight_copy")
         if self.quant_group_size not in QUANT_GROUP_SIZES:
             raise InvalidRequestError(f"quant_group_size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}",
                                       param="quant_group_size")

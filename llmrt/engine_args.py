@@ -93,6 +93,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the LM head's format: auto quantizes it to int8 (per output channel) with --quantization "
                         "int8 or int4 (from a GGUF, only when the file's output matrix is quantized); none keeps it "
                         "in the model dtype (default: %(default)s)")
+    g.add_argument("--dense-weight-copy", default=default_of(ModelConfig, "dense_weight_copy"),
+                   choices=["auto", "on", "off"],
+                   help="CPU: fp32/bf16 layers keep a dense copy of their weights beside the kernels' packed one, "
+                        "so batched and prefill steps (more rows than the kernels take) run torch's GEMM on it "
+                        "instead of unpacking every layer per step; costs the layers' weight memory again. auto: "
+                        "on when the copies take at most 1/8 of the machine's memory (default: %(default)s)")
     g.add_argument("--kv-cache-dtype", default=default_of(c, "kv_cache_dtype"), choices=list(KV_CACHE_DTYPES),
                    help="KV-cache storage: auto (the model dtype), int8 or fp8 (e4m3), both with per-token, per-head "
                         "scales: about 2x the tokens of bf16 in the same memory; fp8 is converted in software where "
@@ -152,7 +158,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("dtype", "device", "attention_backend", "deterministic", "max_model_len", "block_size",
                 "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
                 "scheduling_policy", "short_first_aging_steps", "enable_prefix_caching", "preemption_mode",
-                "swap_space", "kv_watermark", "quantization", "quant_group_size", "lm_head_quantization", "kv_cache_dtype", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
+                "swap_space", "kv_watermark", "quantization", "quant_group_size", "lm_head_quantization", "dense_weight_copy", "kv_cache_dtype", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
                 "speculative_model", "speculative_max_batch_tokens", "tensor_parallel_size",
                 "pipeline_parallel_size", "pipeline_micro_batches",
                 "distributed_executor_backend", "distributed_timeout", "cpu_all_reduce")

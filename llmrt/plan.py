@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lm-head-quantization", default="auto", choices=["auto", "int8", "none"],
                    help="the LM head's format, as `serve`: auto is int8 with --quantization int8/int4 "
                         "(default: %(default)s)")
+    p.add_argument("--dense-weight-copy", default=default_of(ModelConfig, "dense_weight_copy"),
+                   choices=["auto", "on", "off"],
+                   help="CPU, as `serve`: packed fp32/bf16 layers also keep dense weights (counted in weights); "
+                        "auto: when they take at most 1/8 of --memory (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default=default_of(CacheConfig, "kv_cache_dtype"), choices=["auto", "int8", "fp8"],
                    help="KV-cache storage, as `serve`: auto (--kv-dtype), int8 or fp8 with per-token scales "
                         "(default: %(default)s)")
@@ -109,11 +113,13 @@ def build_plan(args: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
                        max_num_seqs=args.max_num_seqs, max_model_len=limit,
                        utilization=args.gpu_memory_utilization, contexts=contexts,
                        quantization=args.quantization, quant_group_size=args.quant_group_size,
-                       kv_cache_dtype=args.kv_cache_dtype, pp=args.pp, lm_head_quantization=lm_head)
+                       kv_cache_dtype=args.kv_cache_dtype, pp=args.pp, lm_head_quantization=lm_head,
+                       dense_weight_copy=args.dense_weight_copy)
     settings = dict(model=args.model, architecture=(hf.get("architectures") or [""])[0], memory_bytes=args.memory,
                     utilization=args.gpu_memory_utilization, dtype=str(dtype).replace("torch.", ""),
                     kv_dtype=str(kv_dtype).replace("torch.", ""), tp=args.tp, pp=args.pp, max_model_len=limit,
                     quantization=args.quantization, lm_head_quantization=lm_head, kv_cache_dtype=args.kv_cache_dtype,
+                    dense_weight_copy=args.dense_weight_copy,
                     formats_here=[f.as_dict() for f in formats_on_this_machine(dtype, args.quantization,
                                                                                args.kv_cache_dtype)])
     return plan, settings
@@ -191,7 +197,9 @@ def run(args: argparse.Namespace) -> int:
          "detail": f"per rank, tp={args.tp}" + (f", heaviest of pp={args.pp} stages" if args.pp > 1 else "")
                    + f", {settings['dtype']}"
                    + (f", decoder layers {args.quantization}" if args.quantization else "")
-                   + (f", LM head {settings['lm_head_quantization']}" if args.quantization else "")},
+                   + (f", LM head {settings['lm_head_quantization']}" if args.quantization else "")
+                   + (f", incl. {gib(plan.dense_copy_bytes)} GiB dense copies of packed layers (--dense-weight-copy)"
+                      if plan.dense_copy_bytes else "")},
         {"item": "activation peak", "GiB": gib(plan.activation_peak_bytes),
          "detail": f"a step of {min(args.max_num_batched_tokens, settings['max_model_len'])} tokens (estimate)"},
         {"item": "KV cache", "GiB": gib(plan.kv_cache_bytes),

@@ -1,6 +1,8 @@
 """The `cpu_paged` attention backend (decodes read the paged cache in place) against the `torch` reference."""
 from __future__ import annotations
 
+import contextlib
+
 import random
 
 import pytest
@@ -19,11 +21,12 @@ def test_the_kernel_builds_where_a_compiler_exists():
     assert load_kernel() is not None  # a build failure shows here (load_kernel logs its error), never as a skip
 
 
-def _decode_step(backend_name: str, kv_dtype: torch.dtype, window, seed: int = 0) -> torch.Tensor:
-    """One decode step of 5 sequences with scattered blocks, from caches already holding their context."""
+def _decode_step(backend_name: str, kv_dtype: torch.dtype, window, seed: int = 0, lens=(1, 5, 17, 40, 9),
+                 heads: int = 8, kv_heads: int = 2, dim: int = 32) -> torch.Tensor:
+    """One decode step of sequences with contexts `lens` in scattered blocks, from caches already holding them."""
     g = torch.Generator().manual_seed(seed)
-    heads, kv_heads, dim, bs, num_blocks = 8, 2, 32, 4, 64
-    lens = [1, 5, 17, 40, 9]
+    bs = 4
+    num_blocks = sum(-(-n // bs) for n in lens) + 8
     perm = random.Random(seed).sample(range(num_blocks), num_blocks)  # non-contiguous block ids
     tables, used = [], 0
     for n in lens:
@@ -50,6 +53,33 @@ def test_kernel_matches_the_torch_backend(kv_dtype, window):
     ref = _decode_step("torch", kv_dtype, window)
     got = _decode_step("cpu_paged", kv_dtype, window)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dim", [64, 24])
+def test_many_sequences_take_whole_sequence_units(kv_dtype, dim):
+    """With many sequences the kernel gives each thread whole sequences (all KV heads, token by token), with few
+    one (sequence, KV head) each; dims not a multiple of the vector width take the reference loop: all agree with
+    the torch backend."""
+    lens = [random.Random(i).randint(1, 70) for i in range(40)]
+    for threads in (1, 2):
+        with _threads(threads):
+            ref = _decode_step("torch", kv_dtype, None, lens=lens, heads=12, kv_heads=4, dim=dim)
+            got = _decode_step("cpu_paged", kv_dtype, None, lens=lens, heads=12, kv_heads=4, dim=dim)
+            few_ref = _decode_step("torch", kv_dtype, None, lens=lens[:3], heads=12, kv_heads=4, dim=dim)
+            few = _decode_step("cpu_paged", kv_dtype, None, lens=lens[:3], heads=12, kv_heads=4, dim=dim)
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(few, few_ref, atol=2e-5, rtol=1e-4)
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_kernel_reads_bf16_and_strided_queries_as_their_float_copies():

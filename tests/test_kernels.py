@@ -193,3 +193,48 @@ def test_fallback_when_the_kernels_cannot_be_built(kernels_env, monkeypatch, cap
     llm = LLM(quantization="int4")
     assert all(m.kernels is None for m in _linears(llm))
     assert llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+
+
+def test_dense_copy_rule():
+    """auto keeps the copies when they take at most 1/8 of memory; on/off are what they say."""
+    from llmrt.kernels.packed import keep_dense_copy
+
+    assert keep_dense_copy("auto", 1 << 30, 8 << 30) and not keep_dense_copy("auto", (1 << 30) + 1, 8 << 30)
+    assert keep_dense_copy("on", 1 << 40, 1) and not keep_dense_copy("off", 0, 1 << 40)
+    with pytest.raises(ValueError, match="auto, on, off"):
+        keep_dense_copy("yes", 0, 1)
+    with pytest.raises(Exception, match="dense_weight_copy"):
+        LLM(dense_weight_copy="yes")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_dense_copy_serves_large_steps_with_the_same_results(dtype, embedded_model_dir):
+    """With the dense copy kept, steps above kernel_max_rows run torch's GEMM on it: the same outputs as the
+    per-step unpack, the same greedy tokens for a batch larger than the kernels take, and its bytes counted."""
+    from llmrt.model.layers.linear import dense_copy_layers
+
+    prompts = [f"Once upon a time {i}" for i in range(20)]  # 20 rows per decode step: above bf16's kernel rows
+    params = SamplingParams(max_tokens=12, temperature=0)
+    out, weights = {}, {}
+    for setting in ("on", "off"):
+        llm = LLM(dtype=dtype, dense_weight_copy=setting, max_num_seqs=32)
+        layers = _linears(llm)
+        packed = [m for m in layers if m.packed is not None]
+        assert packed and all(m.keep_dense == (setting == "on") for m in packed)
+        assert all(hasattr(m, "weight") == (setting == "on") for m in packed)
+        out[setting] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        weights[setting] = llm.engine.memory.weights_bytes
+        if setting == "on":
+            model = llm.engine.executor.worker.model_runner.model
+            assert weights["on"] == llm.engine.executor.worker.model_runner.weights_bytes()
+            extra = dense_copy_layers(model)[1]
+            layer = packed[0]
+            x = torch.randn(layer.kernel_max_rows + 40, layer.in_features).to(getattr(torch, dtype))
+            with torch.inference_mode():
+                dense = layer(x)
+                layer.keep_dense = False  # the same layer through the unpacked buffer
+                unpacked = layer(x)
+                layer.keep_dense = True
+            torch.testing.assert_close(dense, unpacked, rtol=0, atol=0)
+    assert out["on"] == out["off"]
+    assert weights["on"] - weights["off"] == extra > 0

@@ -10,6 +10,7 @@ import torch
 from llmrt import LLM
 from llmrt.cli import main
 from llmrt.engine.memory_plan import MemoryPlan, plan_memory
+from tests.conftest import requires_compiler
 
 _MiB = 1 << 20
 
@@ -28,9 +29,11 @@ def test_plan_matches_the_engine_within_five_percent(checkpoints, arch, caplog):
     hf = json.loads((checkpoints[arch] / "config.json").read_text())
     # The device `plan` is asked about is exactly as large as what the engine allocated in all.
     runner = llm.engine.executor.worker.model_runner
+    # The engine decided the dense weight copy against the machine's RAM, this plan's device is far smaller.
+    dense = "on" if any(getattr(m, "keep_dense", False) for m in runner.model.modules()) else "off"
     plan = plan_memory(hf, memory_bytes=engine.total_bytes, dtype=torch.float32, block_size=4,
                        max_num_batched_tokens=64, max_num_seqs=16, max_model_len=llm.config.model.max_model_len,
-                       fused=runner.fused_layers)
+                       fused=runner.fused_layers, dense_weight_copy=dense)
     assert plan.weights_bytes == engine.weights_bytes  # counted on the same model classes, built on meta
     assert plan.kv_bytes_per_token == engine.kv_bytes_per_token
     # On CPU the engine reports the estimate (no start-up forward pass); the estimate must hold against a
@@ -65,3 +68,25 @@ def test_plan_says_when_nothing_fits(checkpoints, capsys):
     assert main(["plan", str(checkpoints["gpt2"]), "--memory", "100KiB"]) == 0
     assert "does not fit" in capsys.readouterr().out
     assert main(["plan", str(checkpoints["gpt2"]), "--memory", "1GiB", "--context", "a,b"]) == 2
+
+
+@requires_compiler
+def test_plan_counts_the_dense_weight_copy(checkpoints):
+    """--dense-weight-copy on adds each packed fp32/bf16 layer's dense weights to the planned weights, as the
+    engine holds them; auto decides against the device size given."""
+    from llmrt.kernels import kernels
+    from llmrt.model.layers.linear import dense_copy_layers
+    from llmrt.model.loader import build_model
+
+    if kernels() is None:
+        pytest.skip("llmrt's kernels do not load here: nothing is packed")
+    hf = json.loads((checkpoints["llama3"] / "config.json").read_text())
+    plans = {s: plan_memory(hf, memory_bytes=1 << 34, dtype=torch.float32, dense_weight_copy=s)
+             for s in ("on", "off", "auto")}
+    model = build_model(hf, hf["architectures"][0], torch.float32, torch.float32, "meta")
+    extra = dense_copy_layers(model)[1]
+    assert extra > 0 and plans["on"].weights_bytes - plans["off"].weights_bytes == extra
+    assert plans["on"].dense_copy_bytes == extra and plans["off"].dense_copy_bytes == 0
+    assert plans["auto"].weights_bytes == plans["on"].weights_bytes  # a tiny model in 16 GiB keeps them
+    small = plan_memory(hf, memory_bytes=extra * 4, dtype=torch.float32, dense_weight_copy="auto")
+    assert small.weights_bytes == plans["off"].weights_bytes

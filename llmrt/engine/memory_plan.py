@@ -30,6 +30,7 @@ class MemoryPlan:
     num_blocks: int
     contexts: tuple[int, ...] = field(default=DEFAULT_CONTEXTS)
     kv_format: str = ""  # e.g. "bfloat16" or "int8 + float32 scale per token and head"
+    dense_copy_bytes: int = 0  # of weights_bytes: dense copies kept beside packed layers (`llmrt plan`'s count)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -127,13 +128,14 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
                 utilization: float = 1.0, contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
                 quantization: Optional[str] = None, quant_group_size: int = 32,
                 kv_cache_dtype: str = "auto", pp: int = 1, fused: bool = False,
-                lm_head_quantization: str = "auto") -> MemoryPlan:
+                lm_head_quantization: str = "auto", dense_weight_copy: str = "auto") -> MemoryPlan:
     """The per-device memory split for a model config on a device of `memory_bytes`, without any weights.
     With `pp` pipeline stages every stage's rank-0 shard is built on the meta device as the engine builds it (its
     layers; the embedding on the first stage, the norm and LM head on the last): weights are the heaviest
     stage's, KV per token counts one stage's layers, and the blocks are what that stage leaves (the engine takes
     the smallest block count over the ranks). `fused`: the activations of the fused CPU layer ops (smaller; the
-    default plans for torch's ops, an upper bound)."""
+    default plans for torch's ops, an upper bound). `dense_weight_copy`: as --dense-weight-copy, whether packed
+    fp32/bf16 layers also keep their dense weights (decided against `memory_bytes` as the engine decides it)."""
 
     from llmrt.attention.kv_quant import kv_bytes_per_token
     from llmrt.model.loader import build_model
@@ -150,12 +152,14 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
                                                    "checkpoint": hf_config.get("quantization_config")})
     from llmrt.distributed.pipeline import building_stage
 
-    weights, spec = 0, None
+    weights, dense, spec = 0, 0, None
     for stage in range(pp):
         # rank 0's shard of each stage: split layers at 1/tp, norms (and few KV heads) replicated
         with building_shard(0, tp), building_stage(stage, pp):
             model = build_model(hf_config, arch, dtype, dtype, "meta", quant)
-        weights = max(weights, _planned_weight_bytes(model, quant))
+        stage_weights, stage_dense = _planned_weight_bytes(model, quant, dense_weight_copy, memory_bytes)
+        if stage_weights > weights:
+            weights, dense = stage_weights, stage_dense
         spec = spec or model.kv_cache_spec()
     assert spec is not None
     per_token = kv_bytes_per_token(spec, kv_dtype or dtype, kv_cache_dtype)
@@ -167,16 +171,22 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
     blocks = num_kv_blocks(budget, per_token, block_size)
     fmt = str(kv_dtype or dtype).replace("torch.", "") if kv_cache_dtype == "auto" else \
         f"{kv_cache_dtype} + float32 scale per token and head"
-    return MemoryPlan(weights, activation, per_token, block_size, blocks, contexts, kv_format=fmt)
+    return MemoryPlan(weights, activation, per_token, block_size, blocks, contexts, kv_format=fmt,
+                      dense_copy_bytes=dense)
 
 
-def _planned_weight_bytes(model: torch.nn.Module, quant: Any) -> int:
-    """Parameter bytes, with every quantized Linear's weight counted in its quantized size, and, where llmrt's CPU
-    kernels load on this machine, every fp32/bf16 Linear in their packed layout (as a CPU engine here holds it)."""
-    from llmrt.model.layers.linear import Linear, UnquantizedLinearMethod
+def _planned_weight_bytes(model: torch.nn.Module, quant: Any, dense_weight_copy: str = "auto",
+                          memory_bytes: int = 0) -> tuple[int, int]:
+    """(bytes, of which dense copies): parameter bytes, with every quantized Linear's weight counted in its quantized size, and, where llmrt's CPU
+    kernels load on this machine, every fp32/bf16 Linear in their packed layout (as a CPU engine here holds it),
+    plus its dense weights where `dense_weight_copy` keeps them beside the packed ones."""
+    from llmrt.model.layers.linear import Linear, UnquantizedLinearMethod, dense_copy_layers
 
     from llmrt.kernels import kernels
-    from llmrt.kernels.packed import packed_bytes
+    from llmrt.kernels.packed import keep_dense_copy, packed_bytes
+
+    layers, extra = dense_copy_layers(model)
+    keep = bool(layers) and kernels() is not None and keep_dense_copy(dense_weight_copy, extra, memory_bytes)
 
     total = parameter_bytes(model)
     uses: dict[int, int] = {}  # a weight shared with another module (a tied LM head's) stays counted
@@ -191,5 +201,5 @@ def _planned_weight_bytes(model: torch.nn.Module, quant: Any) -> int:
             # Packed for llmrt's CPU kernels (llmrt/kernels/packed.py); a tied LM head's copy comes on top.
             fmt = "fp32" if m.weight.dtype == torch.float32 else "bf16"
             total += packed_bytes(fmt, m.out_features, m.in_features) - (
-                m.weight.numel() * m.weight.element_size() if uses[id(m.weight)] == 1 else 0)
-    return total
+                m.weight.numel() * m.weight.element_size() if uses[id(m.weight)] == 1 and not keep else 0)
+    return total, extra if keep else 0

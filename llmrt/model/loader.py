@@ -14,9 +14,9 @@ from tqdm import tqdm
 
 from llmrt.config import ModelConfig
 from llmrt.errors import ModelLoadError
-from llmrt.hardware import compute_dtype, native_half_max_rows
+from llmrt.hardware import compute_dtype, device_memory_free_total, native_half_max_rows
 from llmrt.model.gguf_file import gguf_tensors, is_gguf
-from llmrt.model.layers.linear import Linear
+from llmrt.model.layers.linear import Linear, dense_copy_layers
 from llmrt.model.models.base import CausalLM
 from llmrt.model.layers.weights import CheckpointTensor, weight_loader_of
 from llmrt.model.models.registry import resolve_architecture
@@ -96,6 +96,7 @@ def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
         if isinstance(module, Linear):
             module.native_max_rows = native_rows
     load_weights(model, Path(model_cfg.model), int4_rows)
+    _choose_dense_copies(model, model_cfg.dense_weight_copy, device)
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.process_weights_after_loading(module)
@@ -103,6 +104,23 @@ def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
         head = "int8, per output channel" if model_cfg.lm_head_quantization == "int8" else f"{dtype} (not quantized)"
         logger.info("weights %s; LM head %s (--lm-head-quantization)", model_cfg.quantization, head)
     return model.eval()
+
+
+def _choose_dense_copies(model: CausalLM, setting: str, device: torch.device) -> None:
+    """Mark the layers that keep dense weights beside the kernels' packed ones (--dense-weight-copy)."""
+    from llmrt.kernels import kernels
+    from llmrt.kernels.packed import keep_dense_copy
+
+    layers, extra = dense_copy_layers(model)
+    if device.type != "cpu" or not layers or kernels() is None:
+        return  # nothing is packed: the layers keep their dense weights only
+    _, total = device_memory_free_total(device)
+    keep = keep_dense_copy(setting, extra, total)
+    for m in layers:
+        m.keep_dense = keep
+    logger.info("dense weight copy (--dense-weight-copy %s): %s, %.1f MiB beside the packed weights", setting,
+                "kept for steps larger than the kernels take" if keep else "not kept (larger steps unpack)",
+                extra / (1 << 20) if keep else 0.0)
 
 
 def _target(model: CausalLM, hf_name: str) -> tuple[str, int | None]:

@@ -54,17 +54,30 @@ def use_kernel(layer: "Linear", x: torch.Tensor) -> bool:
 
 
 def pack_for_kernels(layer: "Linear", w: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
-    """Keep fp32/bf16 (or int8 with row `scale`) weights only in the kernels' packed layout (`layer.packed`, its
-    tensors registered as parameters so memory plans count them). A tied LM head's packed copy is extra memory:
-    the embedding keeps its rows for lookups."""
+    """Keep fp32/bf16 (or int8 with row `scale`) weights in the kernels' packed layout (`layer.packed`, its
+    tensors registered as parameters so memory plans count them), and only there unless `layer.keep_dense` (then
+    `layer.weight` stays for torch's GEMM on larger steps). A tied LM head's packed copy is extra memory: the
+    embedding keeps its rows for lookups."""
     from llmrt.kernels.packed import PackedLinear
 
     layer.packed = PackedLinear.dense(layer.kernels, w, layer.bias, scale)
-    if hasattr(layer, "weight"):
+    if hasattr(layer, "weight") and not layer.keep_dense:
         del layer.weight
     layer.weight_packed = nn.Parameter(layer.packed.data, requires_grad=False)
     if layer.packed.scale is not None:
         layer.weight_scale = nn.Parameter(layer.packed.scale, requires_grad=False)
+
+
+def dense_copy_layers(model: nn.Module) -> tuple[list["Linear"], int]:
+    """`model`'s unquantized fp32/bf16 Linears (the ones packed for the kernels on CPU) and the bytes their dense
+    weights take beside the packed layout (a weight shared with another module, a tied LM head's, adds none)."""
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    layers = [m for m in model.modules() if isinstance(m, Linear) and type(m.method) is UnquantizedLinearMethod
+              and m.weight.dtype in (torch.float32, torch.bfloat16)]
+    extra = sum(m.weight.numel() * m.weight.element_size() for m in layers if uses[id(m.weight)] == 1)
+    return layers, extra
 
 
 def unpacked(layer: "Linear", x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +113,8 @@ class LinearMethod:
 
 class UnquantizedLinearMethod(LinearMethod):
     """Weights in the model dtype. fp32 and bf16 weights on CPU: steps of up to `kernel_max_rows` rows run llmrt's
-    own kernel (llmrt/kernels: streams the weights once, fp32 accumulation). Otherwise, on CPUs that emulate
+    own kernel (llmrt/kernels: streams the weights once, fp32 accumulation); larger steps torch's GEMM over the
+    dense copy when the layer keeps one (`keep_dense`), else over the weights unpacked. On CPUs that emulate
     bf16/fp16 matmuls, computes in the compute dtype through one reused upcast buffer, except for steps of at most
     `native_max_rows` rows (memory-bound)."""
 
@@ -124,7 +138,7 @@ class UnquantizedLinearMethod(LinearMethod):
         b = layer.bias
         if use_kernel(layer, x):
             return layer.packed(x)
-        w = layer.weight if layer.packed is None else unpacked(layer, x)
+        w = layer.weight if layer.packed is None or layer.keep_dense else unpacked(layer, x)
         if layer.compute_dtype is not None and w.dtype != layer.compute_dtype:
             if x.shape[0] <= layer.native_max_rows:
                 return F.linear(x.to(w.dtype), w, b).to(layer.compute_dtype)
@@ -189,6 +203,9 @@ class Linear(nn.Module):
         self.kernels = None  # llmrt.kernels.KernelLib when the method chose our kernels (process_weights_after_loading)
         self.kernel_max_rows = 0  # steps of up to this many rows run them
         self.packed = None  # llmrt.kernels.packed.PackedLinear: the weights in the kernels' layout
+        # Packed fp32/bf16 weights also kept dense for torch's GEMM on larger steps (set by the loader from
+        # --dense-weight-copy, kernels.packed.keep_dense_copy); otherwise such steps unpack into a shared buffer.
+        self.keep_dense = False
         self.quant_config = quant_config
         self.method: LinearMethod = quant_config.linear_method(self) if quant_config else UnquantizedLinearMethod()
         self.method.create_weights(self, in_features, self.out_features, bias)
@@ -197,7 +214,7 @@ class Linear(nn.Module):
         """The [out, in] weight: `weight`, or a copy unpacked from the kernels' layout (bf16 stays bf16, fp32
         fp32; int8/int4 dequantized to float32, int4 inputs padded to its group)."""
         p = self.packed
-        if p is None:
+        if p is None or self.keep_dense:
             return self.weight
         dtype = torch.bfloat16 if p.fmt == "bf16" else torch.float32
         return p.unpack_into(torch.empty(p.n, p.padded_in if p.fmt == "int4" else p.k, dtype=dtype))
