@@ -156,11 +156,14 @@ def checkpoint_label(cfg: ModelConfig) -> str:
 
 
 def quality_of(model_dir: str, tokens: list[int], quantization: Optional[str], kv_cache_dtype: str = "auto",
-               group_size: int = 32, ref: Optional[torch.Tensor] = None) -> QualityReport:
-    """One configuration against the unquantized float32 model (or `ref`), for tests and scripts."""
+               group_size: int = 32, ref: Optional[torch.Tensor] = None, as_stored: bool = False) -> QualityReport:
+    """One configuration against the unquantized float32 model (or `ref`), for tests and scripts; `as_stored`:
+    the checkpoint in its own format (a GPTQ checkpoint as int4), `ref` then required."""
     if ref is None:
         ref, _ = teacher_forced_logits(ModelConfig(model_dir, dtype="float32", quantization="none"), tokens)
-    cfg = ModelConfig(model_dir, dtype="float32", quantization=quantization or "none", quant_group_size=group_size)
+    cfg = ModelConfig(model_dir, dtype="float32", quantization=None if as_stored else quantization or "none",
+                      quant_group_size=group_size)
     t = time.perf_counter()
     logits, nbytes = teacher_forced_logits(cfg, tokens, kv_cache_dtype)
-    return compare(str(quantization), logits, ref, tokens, nbytes, time.perf_counter() - t)
+    return compare(checkpoint_label(cfg) if as_stored else str(quantization), logits, ref, tokens, nbytes,
+                   time.perf_counter() - t)

@@ -96,11 +96,12 @@ def calibration_samples(model_dir: str, opts: CalibrationOptions) -> list[list[i
 
 def _float_model(model_dir: str) -> tuple[nn.Module, ModelConfig]:
     """The checkpoint in float32 with plain `weight` tensors (not repacked for the kernels: they are rewritten)."""
-    cfg = ModelConfig(model_dir, dtype="float32", quantization="none")
-    if cfg.hf_config.get("quantization_config"):
-        raise UnsupportedError(f"{model_dir} is already quantized; quantize a float checkpoint", param="model")
     if not Path(model_dir).is_dir():
         raise UnsupportedError("llmrt quantize reads a safetensors checkpoint directory (not a GGUF file)",
+                               param="model")
+    cfg = ModelConfig(model_dir, dtype="float32")
+    if cfg.quantization:
+        raise UnsupportedError(f"{model_dir} is already quantized ({cfg.quantization}); quantize a float checkpoint",
                                param="model")
     model = build_model(cfg.hf_config, cfg.architecture, torch.float32, torch.float32, "cpu")
     load_weights(model, Path(model_dir))
