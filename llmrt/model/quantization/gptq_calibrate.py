@@ -23,7 +23,7 @@ from torch import nn
 from llmrt.config import ModelConfig
 from llmrt.errors import InvalidRequestError, UnsupportedError
 from llmrt.model.layers.linear import Linear
-from llmrt.model.loader import _target, build_model, checkpoint_tensors, load_weights
+from llmrt.model.loader import build_model, checkpoint_target, checkpoint_tensors, load_weights
 from llmrt.model.quantization.gptq_solver import (QuantSpec, dequantize, gptq_quantize, output_error, pack_gptq,
                                                   rtn_quantize)
 
@@ -179,7 +179,7 @@ def write_checkpoint(model: nn.Module, src: Path, out: Path, quantized: dict[str
 
     tensors: dict[str, torch.Tensor] = {}
     for hf_name, tensor in checkpoint_tensors(src, model.hf_config):
-        name, shard = _target(model, hf_name)
+        name, shard = checkpoint_target(model, hf_name)
         module = name.rsplit(".", 1)[0]
         if not hf_name.endswith(".weight") or module not in quantized:
             tensors[hf_name] = tensor.load().contiguous()
