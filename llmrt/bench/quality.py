@@ -40,8 +40,8 @@ def teacher_forced_logits(model_cfg: ModelConfig, tokens: list[int], kv_cache_dt
 def prefill(model: torch.nn.Module, dtype: torch.dtype, tokens: list[int], kv_cache_dtype: str = "auto",
             block_size: int = 4, chunk: int = 16) -> list[torch.Tensor]:
     """The final hidden states of one sequence, prefilled in chunks through a fresh paged KV cache (so later
-    chunks read earlier KV back from the cache)."""
-    device = torch.device("cpu")
+    chunks read earlier KV back from the cache), on the model's device."""
+    device = next(model.parameters()).device
     spec = model.kv_cache_spec()
     backend = select_attention_backend("torch", device)
     blocks = -(-len(tokens) // block_size)
@@ -54,7 +54,7 @@ def prefill(model: torch.nn.Module, dtype: torch.dtype, tokens: list[int], kv_ca
         ids = tokens[start:start + chunk]
         pos = torch.arange(start, start + len(ids))
         common = build_common_metadata([table], [len(ids)], [start + len(ids)], pos, 0, block_size, device)
-        out.append(model(torch.tensor(ids), pos, backend.build_metadata(common)))
+        out.append(model(torch.tensor(ids, device=device), pos.to(device), backend.build_metadata(common)))
     return out
 
 

@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="damping added to the Hessian's diagonal, as a fraction of its mean (default 0.01)")
     p.add_argument("--no-clip-search", dest="clip_search", action="store_false",
                    help="use each group's full range (default: the range shrink with the least weight error)")
+    p.add_argument("--device", default="cpu", help="where to run the model and the solver: cpu (default), cuda")
     p.add_argument("--seed", type=int, default=0, help="seed of the builtin samples and of window shuffling")
     p.add_argument("--report", default=None, help="write per-layer output errors (vs round-to-nearest) as JSON")
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--samples must be >= 1, --seq-len >= 2 and --damp in (0, 1)")
     opts = CalibrationOptions(method=args.method, spec=QuantSpec(args.group_size, args.sym, args.clip_search),
                               calibration=args.calibration, samples=args.samples, seq_len=args.seq_len,
-                              damp=args.damp, seed=args.seed)
+                              damp=args.damp, seed=args.seed, device=args.device)
     report = quantize_checkpoint(args.model, args.out, opts)
     ratio = sum(r.error for r in report.layers) / max(sum(r.rtn_error for r in report.layers), 1e-30)
     print(f"wrote {report.out_dir}: {len(report.layers)} layers, {args.method} int4 g{args.group_size} "

@@ -41,6 +41,7 @@ class CalibrationOptions:
     seq_len: int = 256
     damp: float = 0.01
     seed: int = 0
+    device: str = "cpu"  # where the model runs and GPTQ solves (e.g. "cuda")
 
 
 @dataclass
@@ -85,7 +86,7 @@ def calibration_samples(model_dir: str, opts: CalibrationOptions) -> list[list[i
     from llmrt.engine.llm import LLM
     from llmrt.sampling_params import SamplingParams
 
-    llm = LLM(model_dir, dtype="float32")
+    llm = LLM(model_dir, dtype="float32", device=opts.device)
     bos = llm.get_tokenizer().bos_token_id
     start = [bos] if bos is not None else [0]
     params = [SamplingParams(max_tokens=opts.seq_len - 1, temperature=1.0, seed=opts.seed + i)
@@ -94,7 +95,7 @@ def calibration_samples(model_dir: str, opts: CalibrationOptions) -> list[list[i
     return [start + list(o.outputs[0].token_ids) for o in outs]
 
 
-def _float_model(model_dir: str) -> tuple[nn.Module, ModelConfig]:
+def _float_model(model_dir: str, device: str) -> tuple[nn.Module, ModelConfig]:
     """The checkpoint in float32 with plain `weight` tensors (not repacked for the kernels: they are rewritten)."""
     if not Path(model_dir).is_dir():
         raise UnsupportedError("llmrt quantize reads a safetensors checkpoint directory (not a GGUF file)",
@@ -103,7 +104,7 @@ def _float_model(model_dir: str) -> tuple[nn.Module, ModelConfig]:
     if cfg.quantization:
         raise UnsupportedError(f"{model_dir} is already quantized ({cfg.quantization}); quantize a float checkpoint",
                                param="model")
-    model = build_model(cfg.hf_config, cfg.architecture, torch.float32, torch.float32, "cpu")
+    model = build_model(cfg.hf_config, cfg.architecture, torch.float32, torch.float32, device)
     load_weights(model, Path(model_dir))
     return model.eval(), cfg
 
@@ -130,7 +131,7 @@ def _hessian(model: nn.Module, layer: Linear, samples: list[list[int]]) -> torch
     """sum x x^T over every token's input to `layer`, the forward stopped right after it."""
     from llmrt.bench.quality import prefill
 
-    h = torch.zeros(layer.in_features, layer.in_features, dtype=torch.float64)
+    h = torch.zeros(layer.in_features, layer.in_features, dtype=torch.float64, device=layer.weight.device)
 
     def hook(mod: nn.Module, args: tuple) -> None:
         x = args[0].reshape(-1, layer.in_features).float()
@@ -167,7 +168,7 @@ def quantize_layers(model: nn.Module, samples: list[list[int]], opts: Calibratio
         results.append(LayerResult(name, output_error(w, wq, h), rtn_err))
         logger.info("%s: output error %.4g (round-to-nearest %.4g)", name, results[-1].error, rtn_err)
         layer.weight.data = wq.to(w.dtype)
-        quantized[name] = qzs
+        quantized[name] = tuple(t.cpu() for t in qzs)
     return quantized, results
 
 
@@ -208,7 +209,7 @@ def quantize_checkpoint(model_dir: str, out_dir: str, opts: CalibrationOptions,
         raise InvalidRequestError(f"method {opts.method!r}: expected gptq or rtn", param="method")
     if Path(out_dir).resolve() == Path(model_dir).resolve():
         raise InvalidRequestError("--out must differ from the source checkpoint", param="out")
-    model, cfg = _float_model(model_dir)
+    model, cfg = _float_model(model_dir, opts.device)
     samples = samples if samples is not None else calibration_samples(model_dir, opts)
     limit = int(cfg.max_model_len)
     samples = [s[:limit] for s in samples if s]

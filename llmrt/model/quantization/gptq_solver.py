@@ -83,7 +83,7 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0  # an input that never fires: any value, its weights are zeroed
     for attempt in range(3):
-        hd = h + torch.eye(h.shape[0], dtype=h.dtype) * damp * (10 ** attempt) * torch.diag(h).mean()
+        hd = h + torch.eye(h.shape[0], dtype=h.dtype, device=h.device) * damp * (10 ** attempt) * torch.diag(h).mean()
         chol, info = torch.linalg.cholesky_ex(hd)
         if int(info) == 0:
             return torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True)
@@ -100,10 +100,11 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, damp: float
     gs = spec.group_size
     block = max(gs, block // gs * gs)  # whole groups per block: a group's params see its updated weights
     w = w.double().clone()
+    h = h.to(w.device)
     w[:, torch.diag(h) == 0] = 0
     u = inverse_hessian_factor(h, damp)
-    q = torch.zeros(n, k, dtype=torch.int32)
-    s_all = torch.zeros(n, k // gs, dtype=torch.float64)
+    q = torch.zeros(n, k, dtype=torch.int32, device=w.device)
+    s_all = torch.zeros(n, k // gs, dtype=torch.float64, device=w.device)
     z_all = torch.zeros_like(s_all)
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
@@ -137,7 +138,7 @@ def output_error(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor) -> float:
 
 def _pack_words(nibbles: torch.Tensor) -> torch.Tensor:
     """[..., 8] values in [0, 15] -> int32 [...] with value i at bits 4i (two's complement for the top one)."""
-    word = (nibbles.long() << (torch.arange(8) * 4)).sum(-1)
+    word = (nibbles.long() << (torch.arange(8, device=nibbles.device) * 4)).sum(-1)
     return torch.where(word >= 1 << 31, word - (1 << 32), word).int()
 
 
