@@ -91,7 +91,10 @@ def calibration_samples(model_dir: str, opts: CalibrationOptions) -> list[list[i
     start = [bos] if bos is not None else [0]
     params = [SamplingParams(max_tokens=opts.seq_len - 1, temperature=1.0, seed=opts.seed + i)
               for i in range(opts.samples)]
-    outs = llm.generate([start] * opts.samples, params)
+    try:
+        outs = llm.generate([start] * opts.samples, params)
+    finally:
+        llm.shutdown()
     return [start + list(o.outputs[0].token_ids) for o in outs]
 
 
