@@ -1,5 +1,5 @@
 """The `llmrt` command: generate, serve, route, bench (throughput, serve, structured, spec, mixed, prefix, context,
-router, quality, peers, parallel), plan, regress (record, compare), tokens."""
+router, quality, peers, parallel), plan, quantize, regress (record, compare), tokens."""
 from __future__ import annotations
 
 import argparse
@@ -157,6 +157,14 @@ def _add_plan(plan: argparse.ArgumentParser) -> None:
     plan.set_defaults(func=plan_cmd.run)
 
 
+def _add_quantize(q: argparse.ArgumentParser) -> None:
+    from llmrt.tools import quantize as quantize_cmd
+
+    q.description = quantize_cmd.__doc__
+    quantize_cmd.add_arguments(q)
+    q.set_defaults(func=quantize_cmd.run)
+
+
 def _add_regress(regress: argparse.ArgumentParser) -> None:
     from llmrt.tools import regress as regress_cmd
 
@@ -181,6 +189,7 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "route": ("route the OpenAI API over many llmrt instances (policies, versions, canaries, health checks, "
               "safe retries)", _add_route),
     "plan": ("memory breakdown and capacity for a model config, without weights", _add_plan),
+    "quantize": ("write a GPTQ 4-bit checkpoint of a float one, calibrated on activations", _add_quantize),
     "regress": ("record a workload's outputs and latencies, compare another endpoint against them (safe upgrades, "
                 "CI gates)", _add_regress),
     "tokens": ("what requests cost in tokens: parts, shares, repeated prefixes, FLOPs, KV", _add_tokens),

@@ -31,12 +31,21 @@ DEFAULT_TEXT = ("Once upon a time, there was a little girl named Lily. She loved
 def teacher_forced_logits(model_cfg: ModelConfig, tokens: list[int], kv_cache_dtype: str = "auto",
                           block_size: int = 4, chunk: int = 16) -> tuple[torch.Tensor, int]:
     """(float32 logits at every position of `tokens`, weight bytes) for `model_cfg`, prefilled in chunks."""
-    device = torch.device("cpu")
-    model = load_model(model_cfg, device)
+    model = load_model(model_cfg, torch.device("cpu"))
+    hidden = prefill(model, model_cfg.torch_dtype, tokens, kv_cache_dtype, block_size, chunk)
+    return torch.cat([model.compute_logits(h) for h in hidden]).float(), parameter_bytes(model)
+
+
+@torch.inference_mode()
+def prefill(model: torch.nn.Module, dtype: torch.dtype, tokens: list[int], kv_cache_dtype: str = "auto",
+            block_size: int = 4, chunk: int = 16) -> list[torch.Tensor]:
+    """The final hidden states of one sequence, prefilled in chunks through a fresh paged KV cache (so later
+    chunks read earlier KV back from the cache), on the model's device."""
+    device = next(model.parameters()).device
     spec = model.kv_cache_spec()
     backend = select_attention_backend("torch", device)
     blocks = -(-len(tokens) // block_size)
-    caches = allocate_kv(spec, blocks, block_size, model_cfg.torch_dtype, kv_cache_dtype, device)
+    caches = allocate_kv(spec, blocks, block_size, dtype, kv_cache_dtype, device)
     for layer, (k, v) in zip(model.attention_layers(), caches):
         layer.bind(k, v, backend)
     table = list(range(blocks))
@@ -45,8 +54,8 @@ def teacher_forced_logits(model_cfg: ModelConfig, tokens: list[int], kv_cache_dt
         ids = tokens[start:start + chunk]
         pos = torch.arange(start, start + len(ids))
         common = build_common_metadata([table], [len(ids)], [start + len(ids)], pos, 0, block_size, device)
-        out.append(model.compute_logits(model(torch.tensor(ids), pos, backend.build_metadata(common))))
-    return torch.cat(out).float(), parameter_bytes(model)
+        out.append(model(torch.tensor(ids, device=device), pos.to(device), backend.build_metadata(common)))
+    return out
 
 
 @dataclass
@@ -83,9 +92,12 @@ def compare(label: str, logits: torch.Tensor, ref: torch.Tensor, tokens: list[in
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `llmrt bench quality`."""
     p.add_argument("model", nargs="?", default="", help="model directory (default: the embedded stories260K)")
+    p.add_argument("--reference", default=None,
+                   help="the unquantized model to compare against: MODEL is then scored as it is (e.g. a GPTQ "
+                        "checkpoint from `llmrt quantize`), and --quantization applies to the reference")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quantization", action="append", choices=["int8", "int4"], default=None,
-                   help="a configuration to measure (repeatable; default: int8 and int4)")
+                   help="a configuration to measure (repeatable; default: int8 and int4, none with --reference)")
     p.add_argument("--quant-group-size", type=int, default=32, choices=[32, 64, 128])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="also for the quantized runs")
     p.add_argument("--text", default=None, help="a text file to score (default: a built-in short story)")
@@ -97,14 +109,22 @@ def run(args: argparse.Namespace) -> int:
     """Score the unquantized model and each quantized configuration on the same tokens."""
     from llmrt.tokenizer import load_tokenizer
 
-    base = ModelConfig(args.model, dtype=args.dtype, quantization="none")  # a GGUF dequantized, not its default
+    source = args.reference if args.reference is not None else args.model
+    # A GGUF dequantized, not its default.
+    base = ModelConfig(source, dtype=args.dtype, quantization="none")
     text = Path(args.text).read_text() if args.text else DEFAULT_TEXT
     tokens = load_tokenizer(base.model).encode(text)[: min(args.max_tokens, int(base.max_model_len))]
     t = time.perf_counter()
     ref, ref_bytes = teacher_forced_logits(base, tokens)
     reports = [compare("unquantized", ref, ref, tokens, ref_bytes, time.perf_counter() - t)]
-    for q in args.quantization or ["int8", "int4"]:
-        cfg = ModelConfig(args.model, dtype=args.dtype, quantization=q, quant_group_size=args.quant_group_size)
+    if args.reference is not None:
+        cfg = ModelConfig(args.model, dtype=args.dtype)
+        t = time.perf_counter()
+        logits, nbytes = teacher_forced_logits(cfg, tokens, args.kv_cache_dtype)
+        reports.append(compare(checkpoint_label(cfg), logits, ref, tokens, nbytes, time.perf_counter() - t))
+    default = [] if args.reference is not None else ["int8", "int4"]
+    for q in args.quantization or default:
+        cfg = ModelConfig(source, dtype=args.dtype, quantization=q, quant_group_size=args.quant_group_size)
         t = time.perf_counter()
         logits, nbytes = teacher_forced_logits(cfg, tokens, args.kv_cache_dtype)
         label = q + (f" g{args.quant_group_size}" if q == "int4" else "") + \
@@ -112,10 +132,11 @@ def run(args: argparse.Namespace) -> int:
         reports.append(compare(label, logits, ref, tokens, nbytes, time.perf_counter() - t))
     base_ppl = reports[0].perplexity
     print(f"{base.model}: {len(tokens)} tokens")
-    print(f"{'config':<22} {'perplexity':>10} {'ppl +%':>7} {'top-1 agree':>11} {'mean KL':>8} {'max |dlogit|':>12} "
+    width = max(22, *(len(r.label) for r in reports))
+    print(f"{'config':<{width}} {'perplexity':>10} {'ppl +%':>7} {'top-1 agree':>11} {'mean KL':>8} {'max |dlogit|':>12} "
           f"{'weights MiB':>11}")
     for r in reports:
-        print(f"{r.label:<22} {r.perplexity:>10.4f} {100 * (r.perplexity / base_ppl - 1):>7.2f} "
+        print(f"{r.label:<{width}} {r.perplexity:>10.4f} {100 * (r.perplexity / base_ppl - 1):>7.2f} "
               f"{r.top1_agreement:>11.4f} {r.mean_kl:>8.4f} {r.max_abs_logit_error:>12.4f} "
               f"{r.weights_bytes / (1 << 20):>11.2f}")
     if args.output:
@@ -124,12 +145,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def checkpoint_label(cfg: ModelConfig) -> str:
+    """'MODEL (gptq g32 asym)': a checkpoint scored as it is, named by its quantization_config."""
+    qc = cfg.hf_config.get("quantization_config") or {}
+    name = Path(cfg.model).name
+    if not qc:
+        return f"{name} ({cfg.quantization or 'unquantized'})"
+    sym = "sym" if qc.get("sym", True) else "asym"
+    return f"{name} ({qc.get('quant_method')} g{qc.get('group_size', qc.get('q_group_size'))} {sym})"
+
+
 def quality_of(model_dir: str, tokens: list[int], quantization: Optional[str], kv_cache_dtype: str = "auto",
-               group_size: int = 32, ref: Optional[torch.Tensor] = None) -> QualityReport:
-    """One configuration against the unquantized float32 model (or `ref`), for tests and scripts."""
+               group_size: int = 32, ref: Optional[torch.Tensor] = None, as_stored: bool = False) -> QualityReport:
+    """One configuration against the unquantized float32 model (or `ref`), for tests and scripts; `as_stored`:
+    the checkpoint in its own format (a GPTQ checkpoint as int4), `ref` then required."""
     if ref is None:
         ref, _ = teacher_forced_logits(ModelConfig(model_dir, dtype="float32", quantization="none"), tokens)
-    cfg = ModelConfig(model_dir, dtype="float32", quantization=quantization or "none", quant_group_size=group_size)
+    cfg = ModelConfig(model_dir, dtype="float32", quantization=None if as_stored else quantization or "none",
+                      quant_group_size=group_size)
     t = time.perf_counter()
     logits, nbytes = teacher_forced_logits(cfg, tokens, kv_cache_dtype)
-    return compare(str(quantization), logits, ref, tokens, nbytes, time.perf_counter() - t)
+    return compare(checkpoint_label(cfg) if as_stored else str(quantization), logits, ref, tokens, nbytes,
+                   time.perf_counter() - t)

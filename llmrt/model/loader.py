@@ -123,7 +123,8 @@ def _choose_dense_copies(model: CausalLM, setting: str, device: torch.device) ->
                 extra / (1 << 20) if keep else 0.0)
 
 
-def _target(model: CausalLM, hf_name: str) -> tuple[str, int | None]:
+def checkpoint_target(model: CausalLM, hf_name: str) -> tuple[str, int | None]:
+    """(our parameter name, shard of a fused parameter or None) that checkpoint tensor `hf_name` fills."""
     name = model.hf_to_ours(hf_name) if hasattr(model, "hf_to_ours") else hf_name
     parts = name.split(".")
     for i, part in enumerate(parts):
@@ -167,7 +168,7 @@ def load_weights(model: CausalLM, model_dir: Path, int4_rows: bool = False) -> N
             bar.update(1)
             if hf_name.endswith(model.ignored_suffixes):
                 continue
-            name, shard = _target(model, hf_name)
+            name, shard = checkpoint_target(model, hf_name)
             name = model.checkpoint_alias.get(name, name)
             if name not in params and model.held_elsewhere(name):
                 continue  # another pipeline stage's tensor: never read here

@@ -8,7 +8,10 @@ Both store w = scale * (q - z) per group of input weights, packed eight 4-bit va
 The integers are kept as they are; only the zero point changes form: our int4 convention is
 w = (q - 8) * scale + zero, so zero = scale * (8 - z), exact in float32. Act-order (a g_idx that is not
 i // group_size), other bit widths and other AWQ packings are refused before any weight is read where the config
-says so, else when the tensor arrives.
+says so, else when the tensor arrives. A GPTQ layer whose input size is not a multiple of 8 cannot be packed
+(qweight [K/8, N]) in AutoGPTQ's format; `llmrt quantize` writes such a layer (stories260K's 172-wide MLP) padded:
+qweight [ceil(K/8), N], ceil(K/group) groups, and per projection of n rows ceil(n/8) qzeros words, the padding
+nibbles ignored. Aligned layers (every real checkpoint's) are exactly AutoGPTQ's layout.
 """
 from __future__ import annotations
 
@@ -69,11 +72,11 @@ class CheckpointInt4Config(Int4Config):
     def kernel_group_size(self, in_features: int) -> int:
         """The int4 group size for a layer: the checkpoint's, or a divisor of it that the kernels take."""
         ckpt = in_features if self.ckpt_group_size == -1 else self.ckpt_group_size
-        for g in KERNEL_GROUP_SIZES:
-            if ckpt % g == 0 and in_features % ckpt == 0:
+        for g in KERNEL_GROUP_SIZES:  # the last group may be padded (`llmrt quantize` of unaligned layers)
+            if ckpt % g == 0 and (in_features % ckpt == 0 or self.ckpt_group_size != -1):
                 return g
         raise UnsupportedError(f"{self.name.upper()} group size {self.ckpt_group_size} with {in_features} inputs "
-                               f"cannot be served: groups must be a multiple of 32 that divides the input size",
+                               f"cannot be served: groups must be a multiple of 32",
                                param="quantization")
 
     def linear_method(self, layer: "Linear") -> "CheckpointInt4Method":
@@ -139,9 +142,10 @@ class CheckpointInt4Method(Int4LinearMethod):
 
     def create_weights(self, layer: "Linear", in_features: int, out_features: int, bias: bool) -> None:
         gptq = isinstance(self.config, GptqConfig)
-        ckpt_groups = 1 if self.config.ckpt_group_size == -1 else in_features // self.config.ckpt_group_size
-        shapes = {"qweight": ((in_features // 8, out_features) if gptq else (in_features, out_features // 8)),
-                  "qzeros": (ckpt_groups, out_features // 8), "scales": (ckpt_groups, out_features)}
+        ckpt_groups = 1 if self.config.ckpt_group_size == -1 else -(-in_features // self.config.ckpt_group_size)
+        words = _word_starts(layer)[-1]  # each projection's row count rounded up to whole words
+        shapes = {"qweight": ((-(-in_features // 8), out_features) if gptq else (in_features, words)),
+                  "qzeros": (ckpt_groups, words), "scales": (ckpt_groups, out_features)}
         for name, shape in shapes.items():
             p = nn.Parameter(torch.empty(shape, dtype=torch.int32 if name != "scales" else torch.float32),
                              requires_grad=False)
@@ -160,8 +164,11 @@ class CheckpointInt4Method(Int4LinearMethod):
             if shard_id is None:
                 copy_checked(param.data, loaded)
                 return
-            rows = layer.shard_slice(shard_id)
-            cols = slice(rows.start // param.shard_unit, rows.stop // param.shard_unit)
+            if param.shard_unit == 1:
+                cols = layer.shard_slice(shard_id)
+            else:
+                starts = _word_starts(layer)
+                cols = slice(starts[shard_id], starts[shard_id + 1])
             copy_checked(param.data[:, cols], loaded)
         return load
 
@@ -177,14 +184,36 @@ class CheckpointInt4Method(Int4LinearMethod):
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         q, z = self.config.unpack(layer.qweight.data, layer.qzeros.data)
+        z = _drop_pad_rows(layer, z)
+        if q.shape[0] != layer.out_features:  # AWQ packs rows too
+            q = _drop_pad_rows(layer, q)
         scale = layer.scales.data.float().t()
-        repeat = (layer.in_features // scale.shape[1]) // self.group_size
+        ckpt_gs = layer.in_features if self.config.ckpt_group_size == -1 else self.config.ckpt_group_size
+        padded = scale.shape[1] * ckpt_gs  # inputs up to whole groups: the int4 storage pads them with zeros
+        q = torch.nn.functional.pad(q[:, :layer.in_features], (0, padded - layer.in_features))
+        repeat = ckpt_gs // self.group_size
         scale = scale.repeat_interleave(repeat, dim=1).contiguous()
         zero = scale * (8 - z.float()).repeat_interleave(repeat, dim=1)
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             if hasattr(layer, name):
                 delattr(layer, name)
         self.store_quantized(layer, q, scale, zero)
+
+
+def _word_starts(layer: "Linear") -> list[int]:
+    """Where each projection's columns start in a tensor packed eight rows to a word (and the total)."""
+    starts = [0]
+    for n in layer.output_sizes:
+        starts.append(starts[-1] + -(-n // 8))
+    return starts
+
+
+def _drop_pad_rows(layer: "Linear", t: torch.Tensor) -> torch.Tensor:
+    """Rows unpacked from words packed along the outputs, without each projection's padding to whole words."""
+    starts = _word_starts(layer)
+    if starts[-1] * 8 == layer.out_features:
+        return t
+    return torch.cat([t[8 * starts[i]:8 * starts[i] + n] for i, n in enumerate(layer.output_sizes)])
 
 
 CHECKPOINT_METHODS: dict[str, type[CheckpointInt4Config]] = {"gptq": GptqConfig, "awq": AwqConfig}

@@ -1,0 +1,236 @@
+"""`llmrt quantize`: calibrate a float checkpoint on activations (GPTQ) and write a GPTQ-format checkpoint.
+
+The inputs of every decoder linear layer are collected with llmrt's own model forward (paged KV cache, one prefill
+per calibration sequence) as the Hessian H = sum x x^T; layers are quantized one at a time in execution order
+(true-sequential: each layer's inputs come from the layers before it already quantized). The result is AutoGPTQ's
+format (`quant_method: gptq`, `checkpoint_format: gptq`, no act-order), which `gptq_awq.py` serves as int4.
+`--method rtn` writes the same format by round-to-nearest of the same group ranges, for comparison.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from llmrt.config import ModelConfig
+from llmrt.errors import InvalidRequestError, UnsupportedError
+from llmrt.model.layers.linear import Linear
+from llmrt.model.loader import build_model, checkpoint_target, checkpoint_tensors, load_weights
+from llmrt.model.quantization.gptq_solver import (QuantSpec, dequantize, gptq_quantize, output_error, pack_gptq,
+                                                  rtn_quantize)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CalibrationOptions:
+    """What `llmrt quantize` does: the method, the format, and the calibration data."""
+
+    method: str = "gptq"  # or "rtn"
+    spec: QuantSpec = field(default_factory=QuantSpec)
+    calibration: str = "builtin"  # "builtin": text sampled from the float model itself; else a text file
+    samples: int = 64
+    seq_len: int = 256
+    damp: float = 0.01
+    seed: int = 0
+    device: str = "cpu"  # where the model runs and GPTQ solves (e.g. "cuda")
+
+
+@dataclass
+class LayerResult:
+    """One quantized layer: its output error on the calibration inputs, GPTQ's (or RTN's) and RTN's."""
+
+    name: str
+    error: float
+    rtn_error: float
+
+
+@dataclass
+class QuantizeReport:
+    """What `quantize_checkpoint` did."""
+
+    out_dir: str
+    calibration_tokens: int
+    layers: list[LayerResult]
+    seconds: float
+
+
+class _Stop(Exception):
+    """Raised by a hook once the layer being calibrated has seen its input: the rest of the forward is not needed."""
+
+
+def calibration_samples(model_dir: str, opts: CalibrationOptions) -> list[list[int]]:
+    """Token sequences to calibrate on: windows of the user's text, or sequences the float model samples itself
+    (temperature 1 from BOS: data-free, and never the quality bench's evaluation text)."""
+    from llmrt.tokenizer import load_tokenizer
+
+    if opts.calibration != "builtin":
+        path = Path(opts.calibration)
+        if not path.is_file():
+            raise InvalidRequestError(f"calibration file {path} does not exist", param="calibration")
+        ids = load_tokenizer(model_dir).encode(path.read_text())
+        if len(ids) < 16:
+            raise InvalidRequestError(f"calibration file {path} holds only {len(ids)} tokens", param="calibration")
+        windows = [ids[i:i + opts.seq_len] for i in range(0, len(ids), opts.seq_len)]
+        windows = [w for w in windows if len(w) >= 16]
+        random.Random(opts.seed).shuffle(windows)
+        return windows[:opts.samples]
+    from llmrt.engine.llm import LLM
+    from llmrt.sampling_params import SamplingParams
+
+    llm = LLM(model_dir, dtype="float32", device=opts.device)
+    bos = llm.get_tokenizer().bos_token_id
+    start = [bos] if bos is not None else [0]
+    params = [SamplingParams(max_tokens=opts.seq_len - 1, temperature=1.0, seed=opts.seed + i)
+              for i in range(opts.samples)]
+    try:
+        outs = llm.generate([start] * opts.samples, params)
+    finally:
+        llm.shutdown()
+    return [start + list(o.outputs[0].token_ids) for o in outs]
+
+
+def _float_model(model_dir: str, device: str) -> tuple[nn.Module, ModelConfig]:
+    """The checkpoint in float32 with plain `weight` tensors (not repacked for the kernels: they are rewritten)."""
+    if not Path(model_dir).is_dir():
+        raise UnsupportedError("llmrt quantize reads a safetensors checkpoint directory (not a GGUF file)",
+                               param="model")
+    cfg = ModelConfig(model_dir, dtype="float32")
+    if cfg.quantization:
+        raise UnsupportedError(f"{model_dir} is already quantized ({cfg.quantization}); quantize a float checkpoint",
+                               param="model")
+    model = build_model(cfg.hf_config, cfg.architecture, torch.float32, torch.float32, device)
+    load_weights(model, Path(model_dir))
+    return model.eval(), cfg
+
+
+def _decoder_linears(model: nn.Module, sample: list[int]) -> list[tuple[str, Linear]]:
+    """The decoder's linear layers (not the LM head) in the order one forward calls them."""
+    from llmrt.bench.quality import prefill
+
+    order: list[tuple[str, Linear]] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: order.append((n, mod)))
+             for n, m in model.named_modules() if isinstance(m, Linear) and not n.endswith("lm_head")]
+    try:
+        prefill(model, torch.float32, sample[:8], chunk=8)
+    finally:
+        for h in hooks:
+            h.remove()
+    seen: dict[str, Linear] = {}
+    for n, m in order:
+        seen.setdefault(n, m)
+    return list(seen.items())
+
+
+def _hessian(model: nn.Module, layer: Linear, samples: list[list[int]]) -> torch.Tensor:
+    """sum x x^T over every token's input to `layer`, the forward stopped right after it."""
+    from llmrt.bench.quality import prefill
+
+    h = torch.zeros(layer.in_features, layer.in_features, dtype=torch.float64, device=layer.weight.device)
+
+    def hook(mod: nn.Module, args: tuple) -> None:
+        x = args[0].reshape(-1, layer.in_features).float()
+        h.add_((x.t() @ x).double())
+        raise _Stop
+
+    handle = layer.register_forward_pre_hook(hook)
+    try:
+        for tokens in samples:
+            try:
+                prefill(model, torch.float32, tokens, block_size=16, chunk=len(tokens))
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return h
+
+
+def quantize_layers(model: nn.Module, samples: list[list[int]], opts: CalibrationOptions
+                    ) -> tuple[dict[str, tuple[torch.Tensor, ...]], list[LayerResult]]:
+    """Quantize every decoder linear in order, each on inputs from the already-quantized ones before it
+    (its weights replaced by their dequantized values). Returns ({name: (q, z, s)}, results)."""
+    quantized, results = {}, []
+    for name, layer in _decoder_linears(model, samples[0]):
+        w = layer.weight.data
+        k = w.shape[1]
+        h = _hessian(model, layer, samples)
+        pad = -k % opts.spec.group_size  # zero inputs up to whole groups, as the int4 storage pads them
+        wp, hp = torch.nn.functional.pad(w, (0, pad)), torch.nn.functional.pad(h, (0, pad, 0, pad))
+        rtn = rtn_quantize(wp, opts.spec)
+        qzs = gptq_quantize(wp, hp, opts.spec, opts.damp) if opts.method == "gptq" else rtn
+        wq = dequantize(*qzs, opts.spec.group_size)[:, :k]
+        rtn_err = output_error(w, dequantize(*rtn, opts.spec.group_size)[:, :k], h)
+        results.append(LayerResult(name, output_error(w, wq, h), rtn_err))
+        logger.info("%s: output error %.4g (round-to-nearest %.4g)", name, results[-1].error, rtn_err)
+        layer.weight.data = wq.to(w.dtype)
+        quantized[name] = tuple(t.cpu() for t in qzs)
+    return quantized, results
+
+
+def write_checkpoint(model: nn.Module, src: Path, out: Path, quantized: dict[str, tuple[torch.Tensor, ...]],
+                     quant_config: dict) -> None:
+    """`src`'s tensors with each quantized projection's weight replaced by its packed GPTQ tensors, plus its
+    config (with `quant_config`) and tokenizer files."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in checkpoint_tensors(src, model.hf_config):
+        name, shard = checkpoint_target(model, hf_name)
+        module = name.rsplit(".", 1)[0]
+        if not hf_name.endswith(".weight") or module not in quantized:
+            tensors[hf_name] = tensor.load().contiguous()
+            continue
+        q, z, s = quantized[module]
+        layer = model.get_submodule(module)
+        rows = layer.shard_slice(shard) if shard is not None else slice(None)
+        base = hf_name.removesuffix(".weight")
+        tensors.update({f"{base}.{k}": v for k, v in pack_gptq(q[rows], z[rows], s[rows], quant_config["group_size"],
+                                                                     layer.in_features).items()})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = quant_config
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def quantize_checkpoint(model_dir: str, out_dir: str, opts: CalibrationOptions,
+                        samples: Optional[list[list[int]]] = None) -> QuantizeReport:
+    """Calibrate `model_dir` (a float safetensors checkpoint) and write the GPTQ checkpoint to `out_dir`."""
+    t0 = time.perf_counter()
+    if opts.method not in ("gptq", "rtn"):
+        raise InvalidRequestError(f"method {opts.method!r}: expected gptq or rtn", param="method")
+    if Path(out_dir).resolve() == Path(model_dir).resolve():
+        raise InvalidRequestError("--out must differ from the source checkpoint", param="out")
+    model, cfg = _float_model(model_dir, opts.device)
+    samples = samples if samples is not None else calibration_samples(model_dir, opts)
+    limit = int(cfg.max_model_len)
+    samples = [s[:limit] for s in samples if s]
+    if not samples:
+        raise InvalidRequestError("no calibration samples", param="samples")
+    with torch.inference_mode():
+        quantized, results = quantize_layers(model, samples, opts)
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": opts.spec.group_size, "sym": opts.spec.sym,
+          "desc_act": False, "static_groups": False, "true_sequential": True, "damp_percent": opts.damp,
+          "checkpoint_format": "gptq",
+          "quantizer": [f"llmrt quantize --method {opts.method}"],
+          "llmrt_calibration": {"source": opts.calibration, "samples": len(samples), "seq_len": opts.seq_len,
+                                "seed": opts.seed, "tokens": sum(map(len, samples)),
+                                "clip_search": opts.spec.clip_search}}
+    write_checkpoint(model, Path(model_dir), Path(out_dir), quantized, qc)
+    return QuantizeReport(out_dir, sum(map(len, samples)), results, time.perf_counter() - t0)
+
+
+def report_dict(report: QuantizeReport) -> dict:
+    """The report as JSON-ready data."""
+    return asdict(report)
