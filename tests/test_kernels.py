@@ -185,6 +185,9 @@ def test_kernel_isa_from_the_capability_table():
     assert kernel_isa(frozenset({"avx2", "fma"})) == "avx2"
     assert kernel_isa(frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})) == "avx512"
     assert kernel_isa(frozenset({"avx", "sse4_2"})) is None
+    avx512 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    assert K.build_for(avx512) == "avx512" and K.build_for(avx512 | {"avx512_vnni"}) == "avx512vnni"
+    assert K.build_for(frozenset({"avx2", "fma", "avx_vnni"})) == "avx2"  # AVX-VNNI: vpmaddubsw for now
 
 
 def _linears(llm: LLM) -> list[Linear]:
