@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn.functional as F
 
+from llmrt.kernels import int8_activations
+
 if TYPE_CHECKING:
     from llmrt.kernels import KernelLib
 
@@ -74,7 +76,7 @@ class PackedLinear:
     sz: Optional[torch.Tensor] = None
     group_size: int = 0
     bias: Optional[torch.Tensor] = None
-    # int8/int4: quantize activations to int8 per block of 32 and use integer dot products (kernels.int8_act)
+    # int8/int4: quantize activations to int8 per block of 32 and use integer dot products (LLMRT_INT8_ACTIVATIONS)
     int8_act: bool = False
 
     @classmethod
@@ -82,8 +84,6 @@ class PackedLinear:
               scale: Optional[torch.Tensor] = None) -> "PackedLinear":
         """fp32/bf16 weights, or int8 ones with their float32 row scales."""
         fmt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}[w.dtype]
-        from llmrt.kernels import int8_activations
-
         if scale is not None:
             scale = _pad_rows(scale.float()).contiguous()
         return cls(lib, fmt, w.shape[0], w.shape[1], pack_dense(w), scale=scale, bias=_bias(bias),
@@ -93,8 +93,6 @@ class PackedLinear:
     def int4(cls, lib: "KernelLib", q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
              in_features: int, bias: Optional[torch.Tensor] = None) -> "PackedLinear":
         """quantize_int4's output (inputs padded to the group) for a layer of `in_features` inputs."""
-        from llmrt.kernels import int8_activations
-
         data, sz = pack_int4(q, scale, zero)
         return cls(lib, "int4", q.shape[0], in_features, data, sz=sz, group_size=group_size, bias=_bias(bias),
                    int8_act=int8_activations())
