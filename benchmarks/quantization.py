@@ -2,7 +2,9 @@
 int4 (and int8 KV), weights and KV memory. All configurations live in one process and alternate rounds; best-of.
 
 With --torch-paths, every configuration is also built with LLMRT_KERNELS=0 (torch's own matmul paths, the
-"before" of llmrt/kernels) and measured in the same alternating rounds, labelled "... (torch)".
+"before" of llmrt/kernels) and measured in the same alternating rounds, labelled "... (torch)". With --int8-act,
+every int8/int4 configuration is also built with LLMRT_INT8_ACTIVATIONS=1 (activations quantized to int8,
+integer dot products: csrc/qdot.h), labelled "... (int8 act)".
 
 Run: PYTHONPATH=. python benchmarks/quantization.py [--rounds 3] [--torch-paths]
   -> benchmarks/quantization-*.json + quantization.md
@@ -45,6 +47,8 @@ def main() -> None:
     ap.add_argument("--model", help="a checkpoint directory instead of the random 110m model")
     ap.add_argument("--name", default="quantization", help="prefix of the result files and table")
     ap.add_argument("--torch-paths", action="store_true", help="also measure every config with LLMRT_KERNELS=0")
+    ap.add_argument("--int8-act", action="store_true",
+                    help="also measure int8/int4 configs with LLMRT_INT8_ACTIVATIONS=1")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:  # on a loaded machine 2 OpenMP threads wait for each other at every matmul's barrier
@@ -59,6 +63,10 @@ def main() -> None:
         for k, v in ((k, CONFIGS[k]) for k in args.configs):
             label = f"{k} (torch)" if paths == "torch" else k
             llms[label] = LLM(str(path), max_model_len=1024, kv_cache_memory=64 << 20, **v)
+            if args.int8_act and paths == "ours" and v.get("quantization"):
+                os.environ["LLMRT_INT8_ACTIVATIONS"] = "1"
+                llms[f"{k} (int8 act)"] = LLM(str(path), max_model_len=1024, kv_cache_memory=64 << 20, **v)
+                os.environ.pop("LLMRT_INT8_ACTIVATIONS")
     lib = llmrt.kernels.kernels()
     prompt = list(range(10, 42))
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)

@@ -9,14 +9,18 @@ llama-cpp-python (n_threads=2) in its own virtualenv, one subprocess per round; 
 llama.cpp/llmrt per file and each figure is the best of the rounds. llama.cpp is timed by the peers' own
 benchmarks/peers/bench_llamacpp.py (W2 only), so both comparisons measure it the same way.
 
+With --int8-act, llmrt also serves each file with LLMRT_INT8_ACTIVATIONS=1 (activations quantized to int8 per
+block of 32 and integer dot products, llama.cpp's own scheme for these types), timed in the same rounds.
+
 Run after the peers set-up (/work/shared/peers/README.md):
-  PYTHONPATH=. python benchmarks/quantization_vs_llamacpp.py [--rounds 3]
+  PYTHONPATH=. python benchmarks/quantization_vs_llamacpp.py [--rounds 3] [--int8-act]
   -> benchmarks/quantization-vs-llamacpp.json + .md
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -89,6 +93,8 @@ def main() -> None:
     ap.add_argument("--workload", default=str(PEERS / "models" / "workload.json"))
     ap.add_argument("--llama-python", default=str(PEERS / "venv-llama" / "bin" / "python"))
     ap.add_argument("--cache", default="/tmp/llmrt-gguf-quant", help="where the Q8_0/Q4_0 GGUFs are written")
+    ap.add_argument("--int8-act", action="store_true", help="also llmrt with LLMRT_INT8_ACTIVATIONS=1")
+    ap.add_argument("--out", default="benchmarks/quantization-vs-llamacpp", help="result path without suffix")
     args = ap.parse_args()
 
     from llmrt.bench.report import load_average, machine_info, now_iso
@@ -106,8 +112,14 @@ def main() -> None:
             print(f"quantizing {args.src} -> {files[q]}", file=sys.stderr, flush=True)
             quantize_gguf(Path(args.src), q, files[q])
     llms = {q: LLM(str(files[q]), max_model_len=1024, kv_cache_memory=256 << 20) for q in QTYPES}
+    acts = {}
+    if args.int8_act:
+        os.environ["LLMRT_INT8_ACTIVATIONS"] = "1"
+        acts = {q: LLM(str(files[q]), max_model_len=1024, kv_cache_memory=256 << 20) for q in QTYPES}
+        os.environ.pop("LLMRT_INT8_ACTIVATIONS")
     methods = {q: llms[q].config.model.quantization for q in QTYPES}
-    runs: dict[str, list[dict]] = {f"{side} {q}": [] for q in QTYPES for side in ("llama.cpp", "llmrt")}
+    sides = ("llama.cpp", "llmrt") + (("llmrt int8-act",) if acts else ())
+    runs: dict[str, list[dict]] = {f"{side} {q}": [] for q in QTYPES for side in sides}
     loads = [load_average()]
     for r in range(args.rounds):
         for q in QTYPES:
@@ -115,8 +127,13 @@ def main() -> None:
             runs[f"llama.cpp {q}"].append(res)
             llmrt_w2(llms[q], prompt[:32], 4)  # warm-up, as llama.cpp's
             runs[f"llmrt {q}"].append(llmrt_w2(llms[q], prompt, new))
+            if q in acts:
+                llmrt_w2(acts[q], prompt[:32], 4)
+                runs[f"llmrt int8-act {q}"].append(llmrt_w2(acts[q], prompt, new))
             print(f"round {r} {q}: llama.cpp TPOT {res['tpot_ms']:.2f} ms, llmrt ({methods[q]}) "
-                  f"{runs[f'llmrt {q}'][-1]['tpot_ms']:.2f} ms, load {load_average()}", flush=True)
+                  f"{runs[f'llmrt {q}'][-1]['tpot_ms']:.2f} ms" + (f", int8 activations "
+                  f"{runs[f'llmrt int8-act {q}'][-1]['tpot_ms']:.2f} ms" if q in acts else "") +
+                  f", load {load_average()}", flush=True)
         loads.append(load_average())
     best = {k: min(v, key=lambda x: x["tpot_ms"]) for k, v in runs.items()}
     rows = []
@@ -127,6 +144,10 @@ def main() -> None:
                      "llmrt_tpot_ms": ours["tpot_ms"], "tpot_ratio": ours["tpot_ms"] / lc["tpot_ms"],
                      "llama_cpp_ttft_ms": lc["ttft_ms"], "llmrt_ttft_ms": ours["ttft_ms"],
                      "first16_equal": same, "llama_cpp_tokens": lc["tokens"], "llmrt_tokens": ours["tokens"]})
+        if q in acts:
+            act = best[f"llmrt int8-act {q}"]
+            rows[-1].update(llmrt_int8_act_tpot_ms=act["tpot_ms"], int8_act_tpot_ratio=act["tpot_ms"] / lc["tpot_ms"],
+                            int8_act_first16_equal=sum(a == b for a, b in zip(lc["tokens"], act["tokens"])))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True).stdout.strip())
@@ -135,16 +156,16 @@ def main() -> None:
               "load_average": loads, "rounds": args.rounds, "prompt_tokens": len(prompt), "new_tokens": new,
               "llama_cpp": {k: runs[f"llama.cpp {QTYPES[0]}"][0][k] for k in ("version", "system_info")},
               "results": rows, "runs": runs}
-    Path("benchmarks/quantization-vs-llamacpp.json").write_text(json.dumps(result, indent=2) + "\n")
-    write_markdown(result)
+    Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    write_markdown(result, Path(args.out).with_suffix(".md"))
     for row in rows:
         print(f"{row['gguf']}: llama.cpp {row['llama_cpp_tpot_ms']:.2f} ms, llmrt {row['llmrt_method']} "
               f"{row['llmrt_tpot_ms']:.2f} ms -> {row['tpot_ratio']:.2f}x; first 16 tokens equal: "
               f"{row['first16_equal']}")
 
 
-def write_markdown(result: dict) -> None:
-    """benchmarks/quantization-vs-llamacpp.md: the table and how it was measured."""
+def write_markdown(result: dict, path: Path) -> None:
+    """The table and how it was measured (benchmarks/quantization-vs-llamacpp.md by default)."""
     m = result["machine"]
     lines = ["# llmrt vs llama.cpp on the same quantized weights", "",
              f"`benchmarks/quantization_vs_llamacpp.py`, {result['date']}, llmrt commit `{result['commit']}`, "
@@ -161,12 +182,19 @@ def write_markdown(result: dict) -> None:
         lines.append(f"| {r['gguf']} | {r['llmrt_method']} | {r['llama_cpp_tpot_ms']:.2f} | {r['llmrt_tpot_ms']:.2f} "
                      f"| {r['tpot_ratio']:.2f}x | {r['llama_cpp_ttft_ms']:.1f} | {r['llmrt_ttft_ms']:.1f} | "
                      f"{r['first16_equal']}/16 |")
+    acts = [r for r in result["results"] if "llmrt_int8_act_tpot_ms" in r]
+    if acts:
+        lines += ["", "With LLMRT_INT8_ACTIVATIONS=1 (int8 activations per block of 32, integer dot products), "
+                  "in the same rounds:", "", "| GGUF | llmrt TPOT ms | llmrt / llama.cpp | first 16 tokens equal |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['gguf']} | {r['llmrt_int8_act_tpot_ms']:.2f} | {r['int8_act_tpot_ratio']:.2f}x | "
+                  f"{r['int8_act_first16_equal']}/16 |" for r in acts]
     lines += ["", "Target (issue 16): llmrt TPOT <= 1.0x llama.cpp's on the same weights. Q4_0 runs as llmrt int4 "
               "with the file's own integers; Q8_0 as int8 re-quantized per output channel (one scale per row "
               "instead of one per 32 values). Token agreement is informative only: random weights, and the two "
               "compute in different precisions (llama.cpp quantizes activations to 8 bits in its Q4_0/Q8_0 dot "
               "products; llmrt's kernels take bf16 activations).", ""]
-    Path("benchmarks/quantization-vs-llamacpp.md").write_text("\n".join(lines))
+    path.write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

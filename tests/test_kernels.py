@@ -28,21 +28,34 @@ SHAPES = [(37, 100), (64, 320), (5, 7), (130, 64)]
 ROWS = [1, 2, 3, 5, 8, 17, 64]
 
 
-def _weights(lib: K.KernelLib, n: int, k: int, fmt: str, bias=None) -> tuple[PackedLinear, torch.Tensor]:
-    """(the packed layer, the dense fp64 weights it stands for)."""
+def _weights(lib: K.KernelLib, n: int, k: int, fmt: str, bias=None,
+             int8_act: bool = False) -> tuple[PackedLinear, torch.Tensor]:
+    """(the packed layer, the dense fp64 weights it stands for); int8/int4 with fp32 or int8 activations."""
     w = torch.randn(n, k)
     if fmt in ("fp32", "bf16"):
         w = w.bfloat16() if fmt == "bf16" else w
         return PackedLinear.dense(lib, w, bias), w.double()
     if fmt == "int8":
         q, s = quantize_int8(w)
-        return PackedLinear.dense(lib, q, bias, s), q.double() * s.double()[:, None]
+        p = dataclasses.replace(PackedLinear.dense(lib, q, bias, s), int8_act=int8_act)
+        return p, q.double() * s.double()[:, None]
     kp = k + (-k % 32)
     q, sc, z = quantize_int4(F.pad(w, (0, kp - k)), 32)
     sz = torch.stack([sc, z], -1).bfloat16()
     s, zz = sz[..., 0].double(), sz[..., 1].double()
     dense = ((q.double().view(n, -1, 32) - 8) * s[..., None] + zz[..., None]).view(n, kp)[:, :k]
-    return PackedLinear.int4(lib, q, sc, z, 32, k, bias), dense
+    return dataclasses.replace(PackedLinear.int4(lib, q, sc, z, 32, k, bias), int8_act=int8_act), dense
+
+
+def _quantized_x(x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x zero-padded to kp and quantized per block of 32 as the int8-activation kernels do (fp32 arithmetic):
+    (the dequantized values, each element's block scale d), both float64."""
+    xb = F.pad(x.float(), (0, kp - x.shape[1])).view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(amax, 127.0).div(amax)  # a true division (torch's 127.0 / t multiplies by 1 / t)
+    q = torch.round(xb * torch.where(amax > 0, inv, torch.zeros_like(amax))).clamp(-127, 127)
+    d = (amax / 127.0).expand_as(xb)
+    return (q * d).reshape(x.shape[0], kp).double(), d.reshape(x.shape[0], kp).double()
 
 
 def _without_bias(p: PackedLinear) -> PackedLinear:
@@ -70,18 +83,65 @@ def test_kernel_matches_reference(isa, fmt):
                 assert ((y.double() - ref).abs() <= tol).all(), (isa, fmt, n, k, rows, xdt)
 
 
+def _int4_parts(lib: K.KernelLib, n: int, k: int, bias) -> tuple[PackedLinear, torch.Tensor, torch.Tensor]:
+    """int4 weights with int8 activations: (the packed layer, the q*scale part, the zero - 8*scale part), the two
+    parts dense float64 [n, k padded to 32] (the weights are their sum)."""
+    kp = k + (-k % 32)
+    q, sc, z = quantize_int4(F.pad(torch.randn(n, k), (0, kp - k)), 32)
+    sz = torch.stack([sc, z], -1).bfloat16().double()
+    s, zz = sz[..., 0][..., None], sz[..., 1][..., None]
+    qs = (q.double().view(n, -1, 32) * s).view(n, kp)
+    off = (zz - 8 * s).expand(n, kp // 32, 32).reshape(n, kp)
+    return dataclasses.replace(PackedLinear.int4(lib, q, sc, z, 32, k, bias), int8_act=True), qs, off
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_int8_activation_kernels_match_reference(isa, fmt):
+    """Integer dot products (qdot.h) on odd shapes: within fp32 rounding of the float64 product of the weights and
+    the per-block-quantized activations (int4's offset term uses the exact activation sums), and within the
+    rounding bound (d/2 per element) of the unquantized activations' product."""
+    torch.manual_seed(4)
+    lib = K.load(isa)
+    for n, k in SHAPES:
+        bias = torch.randn(n).bfloat16()
+        if fmt == "int8":
+            packed, wd = _weights(lib, n, k, fmt, bias, int8_act=True)
+            wd = F.pad(wd, (0, packed.padded_in - k))
+            qs, off = wd, torch.zeros_like(wd)
+        else:
+            packed, qs, off = _int4_parts(lib, n, k, bias)
+            wd = qs + off
+        kp = packed.padded_in
+        for rows in ROWS:
+            for xdt in (torch.float32, torch.bfloat16):
+                x = torch.randn(rows, k).to(xdt)
+                xq, d = _quantized_x(x, kp)
+                xf = F.pad(x.double(), (0, kp - k))
+                ref = xq @ qs.T + xf @ off.T + bias.double()
+                y = packed(x)
+                assert y.dtype == xdt and y.shape == (rows, n)
+                out_round = ref.abs() * 2 ** -8 if xdt == torch.bfloat16 else 0
+                tol = 1e-5 * (xf.abs() @ wd.abs().T + xf.abs() @ off.abs().T) + 1e-6 + out_round
+                assert ((y.double() - ref).abs() <= tol).all(), (isa, fmt, n, k, rows, xdt)
+                bound = (d / 2) @ qs.abs().T + tol  # activation rounding: |x - xq| <= d/2 per element
+                assert ((y.double() - (xf @ wd.T + bias.double())).abs() <= bound).all(), (isa, fmt, n, k, rows)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_a_rows_result_does_not_depend_on_the_batch(isa):
-    """Streaming (few rows) and widened-panel (many rows) paths do the same arithmetic: bitwise equal rows."""
+    """Streaming (few rows) and widened-panel (many rows) paths do the same arithmetic: bitwise equal rows; the
+    int8-activation kernels quantize each row on its own and re-read blocks from cache for further rows."""
     torch.manual_seed(1)
     lib = K.load(isa)
     x = torch.randn(64, 300)
-    for fmt in ("fp32", "bf16", "int8", "int4"):
-        p, _ = _weights(lib, 67, 300, fmt, torch.randn(67))
+    for fmt, int8_act in [("fp32", False), ("bf16", False), ("int8", False), ("int4", False), ("int8", True),
+                          ("int4", True)]:
+        p, _ = _weights(lib, 67, 300, fmt, torch.randn(67), int8_act)
         full = p(x)
         ones = torch.cat([p(x[i:i + 1]) for i in range(64)])
         threes = torch.cat([p(x[i:i + 3]) for i in range(0, 64, 3)])
-        assert torch.equal(full, ones) and torch.equal(full, threes), (isa, fmt)
+        assert torch.equal(full, ones) and torch.equal(full, threes), (isa, fmt, int8_act)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -125,6 +185,9 @@ def test_kernel_isa_from_the_capability_table():
     assert kernel_isa(frozenset({"avx2", "fma"})) == "avx2"
     assert kernel_isa(frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})) == "avx512"
     assert kernel_isa(frozenset({"avx", "sse4_2"})) is None
+    avx512 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    assert K.build_for(avx512) == "avx512" and K.build_for(avx512 | {"avx512_vnni"}) == "avx512vnni"
+    assert K.build_for(frozenset({"avx2", "fma", "avx_vnni"})) == "avx2"  # AVX-VNNI: vpmaddubsw for now
 
 
 def _linears(llm: LLM) -> list[Linear]:

@@ -29,6 +29,10 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
                "-DLLMRT_AVX512"],
+    # the avx512 build plus VNNI's vpdpbusd for the int8-activation int8/int4 kernels (qdot.h); without VNNI
+    # the avx512 build computes the same integer dot products with vpmaddubsw + vpmaddwd
+    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
+                   "-mf16c", "-DLLMRT_AVX512", "-DLLMRT_VNNI"],
 }
 # Steps of up to this many rows run our kernel; larger ones torch's GEMM over the weights unpacked from our layout
 # into one reused buffer (int8/int4 dequantized). Chosen from benchmarks/linear-kernels.md (110m layer shapes) and
@@ -40,7 +44,8 @@ ISA_FLAGS = {
 # GEMM over an upcast copy. fp32 (idle, summed over the same shapes, old kernels): ours 3.5 vs torch's 9.3 ms at
 # 1 row, 6.2 vs 18.3 at 8, 19.8 vs 41.9 at 64. int8/int4: ours matched or beat dequantize+GEMM up to 64 rows.
 MAX_ROWS = {"fp32": 64, "bf16": 8, "bf16 upcast": 16, "int8": 64, "int4": 64}
-ISA_NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq")}
+ISA_NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+             "avx512vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")}
 
 
 @dataclass
@@ -57,6 +62,15 @@ class KernelLib:
     linear_int4: Callable[..., torch.Tensor]
     unpack: Callable[..., None]
     dequantize_int4: Callable[..., None]
+    linear_int8_q8: Callable[..., torch.Tensor]  # int8-quantized activations, integer dot products (qdot.h)
+    linear_int4_q8: Callable[..., torch.Tensor]
+    int_dot: str  # which instructions those use, e.g. "avx512-vnni vpdpbusd"
+
+
+def build_for(flags: frozenset[str]) -> Optional[str]:
+    """The build this CPU runs: the capability table's kernel ISA, with VNNI where AVX-512 has it."""
+    isa = kernel_isa(flags)
+    return "avx512vnni" if isa == "avx512" and "avx512_vnni" in flags else isa
 
 
 def _cflags(isa: str) -> list[str]:
@@ -71,7 +85,8 @@ def build_dir(isa: str) -> Path:
 def _ops(isa: str, path: Path, how: str, seconds: float) -> KernelLib:
     ns = getattr(torch.ops, f"llmrt_{isa}")
     return KernelLib(isa, path, how, seconds, ns.linear_bf16.default, ns.linear_fp32.default,
-                     ns.linear_int8.default, ns.linear_int4.default, ns.unpack.default, ns.dequantize_int4.default)
+                     ns.linear_int8.default, ns.linear_int4.default, ns.unpack.default, ns.dequantize_int4.default,
+                     ns.linear_int8_q8.default, ns.linear_int4_q8.default, ns.int_dot.default())
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,7 +107,7 @@ def kernels() -> Optional[KernelLib]:
     if choice in ("0", "off", "none"):
         logger.info("llmrt kernels off (LLMRT_KERNELS=%s): linear layers use torch's paths", choice)
         return None
-    isa = kernel_isa() if choice == "auto" else choice
+    isa = build_for(cpu_flags()) if choice == "auto" else choice
     if isa is None:
         logger.warning("llmrt kernels unavailable: this CPU has no AVX2+FMA; linear layers use torch's paths")
         return None
@@ -107,6 +122,16 @@ def kernels() -> Optional[KernelLib]:
     logger.info("llmrt kernels (%s) %s in %.2f s: %s", lib.isa, "loaded from cache" if lib.how == "cached"
                 else "compiled", lib.seconds, lib.path)
     return lib
+
+
+def int8_activations() -> bool:
+    """Whether int8/int4 layers quantize their activations to int8 (per block of 32, as llama.cpp's Q8_0) and
+    use integer dot products: LLMRT_INT8_ACTIVATIONS=1, or 0 (the default: fp32 activations, weights widened
+    in registers; the int8 scheme misses some of the random-model agreement bounds, docs/quantization.md)."""
+    choice = os.environ.get("LLMRT_INT8_ACTIVATIONS", "0").lower()
+    if choice not in ("0", "1", "off", "on"):
+        raise ValueError(f"LLMRT_INT8_ACTIVATIONS={choice!r}: expected 1 or 0")
+    return choice in ("1", "on")
 
 
 def for_layer(fmt: str, weight: torch.Tensor) -> tuple[Optional[KernelLib], int]:

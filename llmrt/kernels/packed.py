@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn.functional as F
 
+from llmrt.kernels import int8_activations
+
 if TYPE_CHECKING:
     from llmrt.kernels import KernelLib
 
@@ -89,6 +91,8 @@ class PackedLinear:
     sz: Optional[torch.Tensor] = None
     group_size: int = 0
     bias: Optional[torch.Tensor] = None
+    # int8/int4: quantize activations to int8 per block of 32 and use integer dot products (LLMRT_INT8_ACTIVATIONS)
+    int8_act: bool = False
 
     @classmethod
     def dense(cls, lib: "KernelLib", w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -97,14 +101,16 @@ class PackedLinear:
         fmt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}[w.dtype]
         if scale is not None:
             scale = _pad_rows(scale.float()).contiguous()
-        return cls(lib, fmt, w.shape[0], w.shape[1], pack_dense(w), scale=scale, bias=_bias(bias))
+        return cls(lib, fmt, w.shape[0], w.shape[1], pack_dense(w), scale=scale, bias=_bias(bias),
+                   int8_act=fmt == "int8" and int8_activations())
 
     @classmethod
     def int4(cls, lib: "KernelLib", q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
              in_features: int, bias: Optional[torch.Tensor] = None) -> "PackedLinear":
         """quantize_int4's output (inputs padded to the group) for a layer of `in_features` inputs."""
         data, sz = pack_int4(q, scale, zero)
-        return cls(lib, "int4", q.shape[0], in_features, data, sz=sz, group_size=group_size, bias=_bias(bias))
+        return cls(lib, "int4", q.shape[0], in_features, data, sz=sz, group_size=group_size, bias=_bias(bias),
+                   int8_act=int8_activations())
 
     @property
     def padded_in(self) -> int:
@@ -120,9 +126,10 @@ class PackedLinear:
         """y = x W^T + b for a 2-D float32/bfloat16 x (y in x's dtype)."""
         lib, b = self.lib, self.bias
         if self.fmt == "int4":
-            return lib.linear_int4(x, self.data, self.sz, self.group_size, self.n, b)
+            fn4 = lib.linear_int4_q8 if self.int8_act else lib.linear_int4
+            return fn4(x, self.data, self.sz, self.group_size, self.n, b)
         if self.fmt == "int8":
-            return lib.linear_int8(x, self.data, self.scale, self.n, b)
+            return (lib.linear_int8_q8 if self.int8_act else lib.linear_int8)(x, self.data, self.scale, self.n, b)
         return (lib.linear_fp32 if self.fmt == "fp32" else lib.linear_bf16)(x, self.data, self.n, b)
 
     def unpack_into(self, out: torch.Tensor) -> torch.Tensor:

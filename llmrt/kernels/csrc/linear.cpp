@@ -295,6 +295,12 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& wp, const at::Tens
   return c.y;
 }
 
+}  // namespace
+
+#include "qlinear.h"  // int8/int4 weights times int8-quantized activations (integer dot products)
+
+namespace {
+
 // The packed weights back as a dense [N, K] float32/bfloat16 matrix (int8: times its row scales), for steps too
 // large for the kernels (torch's GEMM runs them); the same fp32 values the kernels compute with.
 template <typename L>
@@ -370,6 +376,10 @@ LLMRT_LIBRARY(LLMRT_NS, m) {
   m.def("linear_fp32(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor", &linear_fp32);
   m.def("linear_int8(Tensor x, Tensor wp, Tensor scale, int n, Tensor? bias) -> Tensor", &linear_int8);
   m.def("linear_int4(Tensor x, Tensor wp, Tensor sz, int group_size, int n, Tensor? bias) -> Tensor", &linear_int4);
+  m.def("linear_int8_q8(Tensor x, Tensor wp, Tensor scale, int n, Tensor? bias) -> Tensor", &linear_int8_q8);
+  m.def("linear_int4_q8(Tensor x, Tensor wp, Tensor sz, int group_size, int n, Tensor? bias) -> Tensor",
+        &linear_int4_q8);
+  m.def("int_dot() -> str", &int_dot);
   m.def("unpack(Tensor wp, Tensor? scale, Tensor(a!) out) -> ()", &unpack);
   m.def("dequantize_int4(Tensor wp, Tensor sz, int group_size, Tensor(a!) out) -> ()", &dequantize_int4);
   m.def("isa() -> str", &isa);
