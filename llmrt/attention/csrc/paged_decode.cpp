@@ -109,10 +109,15 @@ inline vf vload(const c10::BFloat16* p) {  // bf16 -> fp32 is exact: the bits sh
   std::memcpy(&v, &u, sizeof(v));
   return v;
 }
+// A fixed tree over the lanes (no -ffast-math: the order must not depend on the loop around it, so that a
+// sequence's result is the same whether its step has many sequences or few).
 inline float hsum(vf v) {
-  float s = 0.f;
-  for (int64_t i = 0; i < L; ++i) s += v[i];
-  return s;
+  float part[L];
+  std::memcpy(part, &v, sizeof(v));
+  for (int64_t w = L / 2; w > 0; w /= 2) {
+    for (int64_t i = 0; i < w; ++i) part[i] += part[i + w];
+  }
+  return part[0];
 }
 
 // Cephes' single-precision exp polynomial (about 1 ulp), the same in every lane (as fused_ops.cpp's).
