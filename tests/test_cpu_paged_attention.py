@@ -72,6 +72,26 @@ def test_many_sequences_take_whole_sequence_units(kv_dtype, dim):
         torch.testing.assert_close(few, few_ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_sequences_result_does_not_depend_on_the_batch(kv_dtype):
+    """Whole-sequence units (many sequences) and per-head units (few) compute each sequence bitwise alike, so
+    micro-batching or batch composition cannot move a token's logprobs."""
+    g = torch.Generator().manual_seed(5)
+    n, heads, kv_heads, dim, bs = 24, 12, 4, 64, 4
+    lens = torch.tensor([random.Random(i).randint(1, 60) for i in range(n)])
+    width = 15
+    tables = torch.randperm(n * width, generator=g).view(n, width)
+    k_cache = torch.randn(n * width, bs, kv_heads, dim, generator=g).to(kv_dtype)
+    v_cache = torch.randn(n * width, bs, kv_heads, dim, generator=g).to(kv_dtype)
+    q = torch.randn(n, heads, dim, generator=g)
+    kernel = load_kernel().decode
+    with _threads(2):
+        whole = kernel(q, k_cache, v_cache, tables, lens, dim ** -0.5, 0)
+        alone = torch.cat([kernel(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], lens[i:i + 1], dim ** -0.5, 0)
+                           for i in range(n)])
+    assert torch.equal(whole, alone)
+
+
 @contextlib.contextmanager
 def _threads(n: int):
     before = torch.get_num_threads()

@@ -89,6 +89,8 @@ def test_each_rank_holds_half_the_split_parameters(models):
             a = model.arch
             kv_rows = 2 * a.kv_heads * a.head_dim
             replicated += sum(kv_rows * (a.hidden + 1) * 4 for _ in range(a.layers))
+            if any(getattr(m, "keep_dense", False) for m in model.modules()):  # and their dense copy beside
+                replicated += sum(kv_rows * a.hidden * 4 for _ in range(a.layers))
         two = LLM(str(models[arch]), tensor_parallel_size=2, **OPTS)
         try:
             per_rank = two.engine.executor.rank_parameter_bytes()

@@ -43,14 +43,17 @@ def test_each_stage_holds_its_layers_and_the_end_stages_the_rest(models):
         one = LLM(str(models[arch]), **OPTS)
         model = one.engine.executor.worker.model_runner.model
         sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}  # tied: counted once
+        # Where packed layers keep a dense copy (--dense-weight-copy), the last stage's head, no longer sharing
+        # the embedding, holds its table twice: packed and dense.
+        tables = 2 if any(getattr(m, "keep_dense", False) for m in model.modules()) else 1
         one.shutdown()
         if arch == "llama3":
             first = sum(v for n, v in sizes.items() if n.startswith(("model.embed_tokens.", "model.layers.0.")))
             last = sum(v for n, v in sizes.items() if n.startswith(("model.layers.1.", "model.norm.")))
-            last += sizes["model.embed_tokens.weight"]  # tied head
+            last += sizes["model.embed_tokens.weight"] * tables  # tied head
         else:
             first = sum(v for n, v in sizes.items() if n.startswith(("wte.", "wpe.", "h.0.")))
-            last = sum(v for n, v in sizes.items() if n.startswith(("h.1.", "ln_f."))) + sizes["wte.weight"]
+            last = sum(v for n, v in sizes.items() if n.startswith(("h.1.", "ln_f."))) + sizes["wte.weight"] * tables
         two = LLM(str(models[arch]), pipeline_parallel_size=2, **OPTS)
         try:
             per_rank = two.engine.executor.rank_parameter_bytes()
@@ -76,7 +79,11 @@ def test_micro_batching_changes_nothing_and_the_bubble_is_measured(models):
     finally:
         llm.shutdown()
     _assert_same(ref, one)
-    _assert_same(one, two, tol=1e-6)
+    # Not bitwise: a micro-batch's prefill rows can fit llmrt's fp32 kernel (<= 64 rows) where the whole batch
+    # takes torch's GEMM, which rounds differently in the last bit; the decode attention is batch-invariant
+    # (test_cpu_paged_attention). Measured: 1.2e-6 on main with the torch attention backend, 1.4e-6 with branch
+    # `batch`'s cpu_paged kernel (a few float32 ulps of a logprob near -5).
+    _assert_same(one, two, tol=1e-5)
     _assert_same(two, again)
     assert st.prefix_cache_hit_tokens > 0
     assert st.pipeline_steps > 0 and len(st.pipeline_wait_seconds) == 2
@@ -184,7 +191,8 @@ def test_plan_counts_the_heaviest_stage_and_one_stage_of_kv(models, capsys):
     packed = kernels() is not None  # the CPU kernels hold the head packed: on one stage a copy beside the embedding
     head = packed_bytes("fp32", v, h) if packed else v * h * 4
     layer = (one["weights_bytes"] - v * h * 4 - (head if packed else 0) - h * 4) // 2
-    assert two["weights_bytes"] == layer + h * 4 + head  # layer 1, final norm, the head's own table
+    # layer 1, final norm, the head's own table (and its dense copy where packed layers keep one)
+    assert two["weights_bytes"] == layer + h * 4 + head + (v * h * 4 if two["dense_copy_bytes"] else 0)
     assert two["kv_bytes_per_token"] == one["kv_bytes_per_token"] // 2
     assert two["communication"][0]["pp_seconds"] > 0 and two["communication"][0]["bubble_share"] == 0.5
     assert main(["plan", str(models["llama3"]), "--memory", "1GiB", "--pp", "3"]) == 2

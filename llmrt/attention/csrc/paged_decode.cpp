@@ -15,10 +15,80 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+inline void to_out(float* o, float x) { *o = x; }
+inline void to_out(c10::BFloat16* o, float x) { *o = c10::BFloat16(x); }
+
+// The reference loop, for head dimensions the vector path does not take.
+// Q: the query and output type (float or bf16: converted here, so the caller makes no float copies).
+template <typename KV, typename Q>
+void decode_generic(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64_t* tables, const int64_t* lens,
+                   Q* out, int64_t num_seqs, int64_t table_width, int64_t block_size, int64_t heads,
+                   int64_t kv_heads, int64_t dim, double scale, int64_t window, int64_t q_stride) {
+  const int64_t group = heads / kv_heads;
+  const int64_t row = kv_heads * dim;  // elements per cached token
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(group * dim), inv(group), qf(group * dim);  // per thread, reused
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t s = work / kv_heads, h = work % kv_heads;
+      const int64_t len = lens[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      scores.resize(group * n);  // every entry is written below before it is read
+      const Q* qin = q_in + s * q_stride + h * group * dim;
+      for (int64_t i = 0; i < group * dim; ++i) qf[i] = to_float(qin[i]);
+      const float* qs = qf.data();
+      const int64_t* table = tables + s * table_width;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = first + t;
+        const KV* k = k_cache + (table[pos / block_size] * block_size + pos % block_size) * row + h * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qs + g * dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += qg[d] * to_float(k[d]);
+          scores[g * n + t] = dot * static_cast<float>(scale);
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * n;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
+          sg[t] = std::exp(sg[t] - mx);
+          sum += sg[t];
+        }
+        inv[g] = 1.f / sum;
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = first + t;
+        const KV* v = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row + h * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * n + t];
+          float* a = acc.data() + g * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) a[d] += p * to_float(v[d]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        Q* o = out + (s * heads + h * group + g) * dim;
+        const float* a = acc.data() + g * dim;
+        for (int64_t d = 0; d < dim; ++d) to_out(o + d, a[d] * inv[g]);
+      }
+    }
+  });
+}
+
+// Vector lanes of the build's ISA through GCC vector extensions (AVX-512: 16, AVX2: 8, else 4).
 #if defined(__AVX512F__)
 constexpr int64_t L = 16;
 #elif defined(__AVX2__)
@@ -31,17 +101,12 @@ typedef int32_t vi __attribute__((vector_size(4 * L)));
 typedef uint32_t vu __attribute__((vector_size(4 * L)));
 typedef uint16_t vh __attribute__((vector_size(2 * L)));
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline void to_out(float* o, float x) { *o = x; }
-inline void to_out(c10::BFloat16* o, float x) { *o = c10::BFloat16(x); }
-
 inline vf vload(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline vf vload(const c10::BFloat16* p) {  // bf16 bits are the high half of the fp32
+inline vf vload(const c10::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted into the high half
   vh h;
   std::memcpy(&h, p, sizeof(h));
   const vu u = __builtin_convertvector(h, vu) << 16;
@@ -49,23 +114,18 @@ inline vf vload(const c10::BFloat16* p) {  // bf16 bits are the high half of the
   std::memcpy(&v, &u, sizeof(v));
   return v;
 }
-// Horizontal sum as a tree (halve, add, repeat): a serial sum over the lanes is a chain of L dependent adds,
-// which made the per-token dot products latency-bound.
-template <int N>
-inline float tree_sum(const float* p) {
-  if constexpr (N == 4) {
-    return (p[0] + p[2]) + (p[1] + p[3]);
-  } else {
-    typedef float vh_t __attribute__((vector_size(2 * N)));
-    vh_t a, b;
-    std::memcpy(&a, p, sizeof(a));
-    std::memcpy(&b, p + N / 2, sizeof(b));
-    const vh_t c = a + b;
-    return tree_sum<N / 2>(reinterpret_cast<const float*>(&c));
+// A fixed tree over the lanes (no -ffast-math: the order must not depend on the loop around it, so that a
+// sequence's result is the same whether its step has many sequences or few).
+inline float hsum(vf v) {
+  float part[L];
+  std::memcpy(part, &v, sizeof(v));
+  for (int64_t w = L / 2; w > 0; w /= 2) {
+    for (int64_t i = 0; i < w; ++i) part[i] += part[i + w];
   }
+  return part[0];
 }
-inline float hsum(vf v) { return tree_sum<L>(reinterpret_cast<const float*>(&v)); }
-// exp over a register (Cephes' single-precision polynomial, ~1 ulp): softmax's exps vectorize with the rest.
+
+// Cephes' single-precision exp polynomial (about 1 ulp), the same in every lane (as fused_ops.cpp's).
 inline vf vexp(vf x) {
   x = x < -87.3f ? vf{} - 87.3f : x;
   x = x > 88.37f ? vf{} + 88.37f : x;
@@ -87,151 +147,124 @@ inline vf vexp(vf x) {
   return p * scale;
 }
 
-// dot(q, row) over dim = nc * L elements; q is fp32.
-template <typename KV>
-inline float dot(const float* q, const KV* row, int64_t nc) {
-  vf acc = vload(q) * vload(row);
-  for (int64_t c = 1; c < nc; ++c) acc += vload(q + c * L) * vload(row + c * L);
-  return hsum(acc);
-}
-
-// Ask for the next block's rows of this pass's heads while the current block is computed: blocks are scattered
-// in the cache, so the hardware prefetchers lose the stream at every block boundary.
-template <typename KV>
-inline void prefetch_block(const KV* base, int64_t tokens, int64_t row, int64_t elems) {
-  const int64_t line = 64 / int64_t(sizeof(KV));
-  for (int64_t j = 0; j < tokens; ++j)
-    for (int64_t e = 0; e < elems; e += line) __builtin_prefetch(base + j * row + e);
-}
-
-// Q: the query and output type (float or bf16: converted here, so the caller makes no float copies).
-// A task takes a range of (sequence, KV head) items and does a sequence's consecutive KV heads in one pass over
-// its blocks: with one thread, every head of a token row (kv_heads * dim contiguous elements) is read together, so
-// a block of the cache streams sequentially instead of once per head at a stride.
-template <typename KV, typename Q>
-void decode_kernel(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64_t* tables, const int64_t* lens,
-                   Q* out, int64_t num_seqs, int64_t table_width, int64_t block_size, int64_t heads,
-                   int64_t kv_heads, int64_t dim, double scale, int64_t window, int64_t q_stride) {
+// The same attention with the head dimension in NC registers of L lanes (dim == NC * L). A work unit is one
+// sequence with all its KV heads when there are enough sequences to share out (W1's batched decode), else one
+// (sequence, KV head): the K pass and the V pass walk the unit's tokens in cache order, reading each token's heads
+// as one contiguous run (a whole block is one stream, which the hardware prefetcher follows; per-head walks read
+// 128 of every 512 bytes and waited on memory), the scores' softmax runs L at a time (a vector exp), and the
+// outputs accumulate in an L1-sized buffer.
+template <int NC, typename KV, typename Q>
+void decode_vec(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64_t* tables, const int64_t* lens,
+                Q* out, int64_t num_seqs, int64_t table_width, int64_t block_size, int64_t heads, int64_t kv_heads,
+                double scale, int64_t window, int64_t q_stride) {
+  constexpr int64_t dim = NC * L;
   const int64_t group = heads / kv_heads;
-  const int64_t row = kv_heads * dim;  // elements per cached token
-  const bool vec = dim % L == 0;
-  const int64_t nc = dim / L;
+  const int64_t row = kv_heads * dim;
   const float sc = static_cast<float>(scale);
-  // About 64 KiB of K/V per task (a sequence x KV head reads 2 * len * dim elements): short contexts stay on
-  // the calling thread, where a parallel region would cost more than the work.
-  int64_t avg_len = 1;
-  for (int64_t s = 0; s < num_seqs; ++s) avg_len += lens[s];
-  avg_len /= std::max<int64_t>(1, num_seqs);
-  const int64_t grain = std::max<int64_t>(1, 65536 / (2 * avg_len * dim * int64_t(sizeof(KV))));
-  at::parallel_for(0, num_seqs * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, inv(heads), qf(heads * dim);  // per thread, reused
-    std::vector<vf> acc(heads * std::max<int64_t>(nc, 1));
-    std::vector<float> acc_s(vec ? 0 : heads * dim);
-    for (int64_t work = begin; work < end;) {
-      const int64_t s = work / kv_heads, h0 = work % kv_heads;
-      const int64_t h1 = std::min(kv_heads, h0 + (end - work));
-      work += h1 - h0;
-      const int64_t rows = (h1 - h0) * group;  // query heads of this pass: h0 * group .. h1 * group
+  const int64_t split = num_seqs >= 4 * at::get_num_threads() ? 1 : kv_heads;  // units per sequence
+  const int64_t per = kv_heads / split, nh = per * group;                      // KV / query heads per unit
+  at::parallel_for(0, num_seqs * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, inv(nh);
+    std::vector<vf> q(nh * NC), acc(nh * NC);
+    std::vector<int64_t> offs;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t s = work / split, h0 = (work % split) * per;
       const int64_t len = lens[s];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
-      scores.resize(rows * n + L);  // every entry below n is written before it is read; + L: vector tail
-      const Q* qin = q_in + s * q_stride + h0 * group * dim;
-      for (int64_t i = 0; i < rows * dim; ++i) qf[i] = to_float(qin[i]);
+      const int64_t n = len - first, np = (n + L - 1) / L * L;
+      scores.resize(nh * np);
+      offs.resize(n);
       const int64_t* table = tables + s * table_width;
-      // Scores, walking the blocks in order (no division per token).
-      for (int64_t pos = first, t = 0; pos < len;) {
-        const int64_t off = pos % block_size, take = std::min(block_size - off, len - pos);
-        const KV* k = k_cache + (table[pos / block_size] * block_size + off) * row + h0 * dim;
-        if (pos + take < len) {
-          prefetch_block(k_cache + table[(pos + take) / block_size] * block_size * row + h0 * dim,
-                         std::min(block_size, len - pos - take), row, (h1 - h0) * dim);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = first + t;
+        offs[t] = (table[pos / block_size] * block_size + pos % block_size) * row + h0 * dim;
+      }
+      const Q* qin = q_in + s * q_stride + h0 * group * dim;
+      for (int64_t j = 0; j < nh; ++j) {
+        for (int c = 0; c < NC; ++c) {
+          for (int64_t i = 0; i < L; ++i) q[j * NC + c][i] = static_cast<float>(qin[j * dim + c * L + i]);
         }
-        for (int64_t j = 0; j < take; ++j, k += row) {
-          for (int64_t r = 0; r < rows; ++r) {
-            const KV* kh = k + (r / group) * dim;
-            float d;
-            if (vec) {
-              d = dot(qf.data() + r * dim, kh, nc);
-            } else {
-              d = 0.f;
-              for (int64_t e = 0; e < dim; ++e) d += qf[r * dim + e] * to_float(kh[e]);
-            }
-            scores[r * n + t + j] = d * sc;
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const KV* krow = k_cache + offs[t];
+        for (int64_t hh = 0; hh < per; ++hh) {
+          vf kv[NC];
+          for (int c = 0; c < NC; ++c) kv[c] = vload(krow + hh * dim + c * L);
+          for (int64_t g = 0; g < group; ++g) {
+            const vf* qj = q.data() + (hh * group + g) * NC;
+            vf d = qj[0] * kv[0];
+            for (int c = 1; c < NC; ++c) d += qj[c] * kv[c];
+            scores[(hh * group + g) * np + t] = hsum(d) * sc;
           }
         }
-        pos += take;
-        t += take;
       }
-      // Softmax per query head (unnormalized; 1/sum applied to the output).
-      for (int64_t r = 0; r < rows; ++r) {
-        float* sg = scores.data() + r * n;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-        vf sum = vf{};
-        int64_t t = 0;
-        for (; t + L <= n; t += L) {
-          const vf e = vexp(vload(sg + t) - mx);
+      for (int64_t j = 0; j < nh; ++j) {
+        float* sg = scores.data() + j * np;
+        for (int64_t t = n; t < np; ++t) sg[t] = std::numeric_limits<float>::lowest();  // finite: -ffast-math
+        vf mx = vf{} + std::numeric_limits<float>::lowest();
+        for (int64_t t = 0; t < np; t += L) {
+          const vf x = vload(sg + t);
+          mx = x > mx ? x : mx;
+        }
+        float m = mx[0];
+        for (int64_t i = 1; i < L; ++i) m = std::max(m, mx[i]);
+        vf sum{};
+        for (int64_t t = 0; t < np; t += L) {
+          vf e = vexp(vload(sg + t) - m);
+          if (t + L > n) {  // padding lanes: exp's clamp would leave ~1e-38, not 0
+            for (int64_t i = n - t; i < L; ++i) e[i] = 0.f;
+          }
           std::memcpy(sg + t, &e, sizeof(vf));
           sum += e;
         }
-        float total = hsum(sum);
-        if (t < n) {  // the tail through the same vector exp
-          float tmp[L];
-          for (int64_t i = 0; i < L; ++i) tmp[i] = t + i < n ? sg[t + i] - mx : -100.f;
-          const vf e = vexp(vload(tmp));
-          for (int64_t i = 0; t + i < n; ++i) {
-            sg[t + i] = e[i];
-            total += e[i];
+        inv[j] = 1.f / hsum(sum);
+      }
+      std::fill(acc.begin(), acc.end(), vf{});
+      for (int64_t t = 0; t < n; ++t) {
+        const KV* vrow = v_cache + offs[t];
+        for (int64_t hh = 0; hh < per; ++hh) {
+          vf vv[NC];
+          for (int c = 0; c < NC; ++c) vv[c] = vload(vrow + hh * dim + c * L);
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t j = hh * group + g;
+            const float p = scores[j * np + t];
+            vf* a = acc.data() + j * NC;
+            for (int c = 0; c < NC; ++c) a[c] += p * vv[c];
           }
         }
-        inv[r] = 1.f / total;
       }
-      // Weighted sum of V rows.
-      if (vec) {
-        std::fill(acc.begin(), acc.begin() + rows * nc, vf{});
-      } else {
-        std::fill(acc_s.begin(), acc_s.begin() + rows * dim, 0.f);
-      }
-      for (int64_t pos = first, t = 0; pos < len;) {
-        const int64_t off = pos % block_size, take = std::min(block_size - off, len - pos);
-        const KV* v = v_cache + (table[pos / block_size] * block_size + off) * row + h0 * dim;
-        if (pos + take < len) {
-          prefetch_block(v_cache + table[(pos + take) / block_size] * block_size * row + h0 * dim,
-                         std::min(block_size, len - pos - take), row, (h1 - h0) * dim);
-        }
-        for (int64_t j = 0; j < take; ++j, v += row) {
-          for (int64_t hh = 0; hh < h1 - h0; ++hh) {
-            const KV* vh_row = v + hh * dim;
-            if (vec) {
-              for (int64_t c = 0; c < nc; ++c) {
-                const vf vv = vload(vh_row + c * L);
-                for (int64_t g = 0; g < group; ++g) {
-                  const int64_t r = hh * group + g;
-                  acc[r * nc + c] += scores[r * n + t + j] * vv;
-                }
-              }
-            } else {
-              for (int64_t g = 0; g < group; ++g) {
-                const int64_t r = hh * group + g;
-                const float p = scores[r * n + t + j];
-                for (int64_t e = 0; e < dim; ++e) acc_s[r * dim + e] += p * to_float(vh_row[e]);
-              }
-            }
-          }
-        }
-        pos += take;
-        t += take;
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        Q* o = out + (s * heads + h0 * group + r) * dim;
-        for (int64_t e = 0; e < dim; ++e) {
-          const float a = vec ? acc[r * nc + e / L][e % L] : acc_s[r * dim + e];
-          to_out(o + e, a * inv[r]);
+      for (int64_t j = 0; j < nh; ++j) {
+        Q* o = out + (s * heads + h0 * group + j) * dim;
+        for (int c = 0; c < NC; ++c) {
+          for (int64_t i = 0; i < L; ++i) to_out(o + c * L + i, acc[j * NC + c][i] * inv[j]);
         }
       }
     }
   });
+}
+
+template <typename KV, typename Q>
+void decode_kernel(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64_t* tables, const int64_t* lens,
+                   Q* out, int64_t num_seqs, int64_t table_width, int64_t block_size, int64_t heads,
+                   int64_t kv_heads, int64_t dim, double scale, int64_t window, int64_t q_stride) {
+#define LLMRT_VEC(nc)                                                                                           \
+  case nc:                                                                                                      \
+    return decode_vec<nc, KV, Q>(q_in, k_cache, v_cache, tables, lens, out, num_seqs, table_width, block_size, \
+                                 heads, kv_heads, scale, window, q_stride);
+  if (dim % L == 0) {
+    switch (dim / L) {
+      LLMRT_VEC(1)
+      LLMRT_VEC(2)
+      LLMRT_VEC(4)
+      LLMRT_VEC(8)
+      LLMRT_VEC(16)
+      default:
+        break;
+    }
+  }
+#undef LLMRT_VEC
+  decode_generic<KV, Q>(q_in, k_cache, v_cache, tables, lens, out, num_seqs, table_width, block_size, heads,
+                        kv_heads, dim, scale, window, q_stride);
 }
 
 template <typename Q>
