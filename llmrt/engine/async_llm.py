@@ -88,7 +88,7 @@ class AsyncLLM:
         """Start the engine-core process and wait until its model is loaded and its KV cache sized."""
         ctx = mp.get_context("spawn")
         core_inbox, self._inbox = channel(ctx, background=True)  # the event loop's puts never block on the pipe
-        self._outbox, core_outbox = channel(ctx)
+        self._outbox, core_outbox = channel(ctx, background=True)  # the core's step loop never waits on it
         # A daemonic process may not start children: with several ranks the core spawns them, so it is not
         # daemonic (it still exits when the server goes: it watches its parent, and its ranks watch it).
         self._proc = ctx.Process(target=run_engine_core, name="llmrt-engine-core",

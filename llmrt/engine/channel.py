@@ -3,8 +3,8 @@
 `multiprocessing.Queue` did this before, but every queue holds three named POSIX semaphores in /dev/shm that
 only a clean exit (or the resource tracker, in the same process group) unlinks: each SIGKILL of a server's
 process group left them behind. A pipe has no name, so a killed process leaves nothing. What the queue also gave,
-a `put` that never blocks its caller, the writer keeps as an option: the API's event loop sends through a
-feeder thread, so a busy engine core with a full pipe cannot stall HTTP.
+a `put` that never blocks its caller, the writer keeps as an option: both sides send through a feeder thread, so
+a busy engine core with a full pipe cannot stall HTTP, and the core's step loop does not wait on the pipe.
 """
 from __future__ import annotations
 
@@ -79,6 +79,13 @@ class ChannelWriter:
         """Close this process's copy of the end (after handing it to a child)."""
         self._conn.close()
 
+    def flush(self, timeout: float = 5.0) -> None:
+        """Wait until the feeder has sent what was put (before the process exits: the feeder is a daemon)."""
+        if self._background and self._feeder is not None:
+            done = threading.Event()
+            self.put(done)
+            done.wait(timeout)
+
     def _send(self, msg: Any) -> None:
         with self._send_lock:
             if self._broken:
@@ -93,4 +100,8 @@ class ChannelWriter:
             self._wake.wait()
             self._wake.clear()
             while self._pending:
-                self._send(self._pending.popleft())
+                msg = self._pending.popleft()
+                if isinstance(msg, threading.Event):  # flush's marker: everything before it is sent
+                    msg.set()
+                else:
+                    self._send(msg)

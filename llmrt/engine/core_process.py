@@ -33,6 +33,7 @@ def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: in
         core = EngineCore(config, create_executor(config), tokenizer)
     except BaseException as e:  # the front end re-raises it; nothing else can be done here
         outbox.put(CoreFailed(e if isinstance(e, LLMRTError) else RuntimeError(f"{type(e).__name__}: {e}")))
+        outbox.flush()  # sent before the process exits
         return
     outbox.put(CoreReady(core.limits(), core.memory))
     stall = 0.0

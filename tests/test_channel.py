@@ -1,0 +1,57 @@
+"""The pipe channels between the API process and the engine core: order, non-blocking puts, flush, a gone peer."""
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from llmrt.engine.channel import channel
+
+
+def test_messages_arrive_in_put_order_from_several_threads_each():
+    reader, writer = channel(background=True)
+    def put_range(tag: str) -> None:
+        for i in range(300):
+            writer.put((tag, i))
+    threads = [threading.Thread(target=put_range, args=(t,)) for t in "ab"]
+    for t in threads:
+        t.start()
+    got = {"a": [], "b": []}
+    for _ in range(600):
+        tag, i = reader.get(timeout=5)
+        got[tag].append(i)
+    for t in threads:
+        t.join()
+    assert got == {"a": list(range(300)), "b": list(range(300))}
+    with pytest.raises(queue.Empty):
+        reader.get_nowait()
+
+
+def test_a_background_put_does_not_block_on_a_full_pipe_and_flush_sends_it_all():
+    reader, writer = channel(background=True)
+    big = b"x" * (1 << 20)  # far beyond a pipe's buffer: a direct send would block until read
+    done = threading.Event()
+    threading.Thread(target=lambda: (writer.put(big), writer.put("end"), done.set()), daemon=True).start()
+    assert done.wait(5), "put blocked on the pipe"
+    assert reader.get(timeout=5) == big and reader.get(timeout=5) == "end"
+    writer.put("last")
+    writer.flush()
+    assert reader.get(timeout=0) == "last"  # in the pipe already once flush returns
+
+
+def test_a_gone_reader_drops_sends_and_a_gone_writer_reads_as_eof():
+    reader, writer = channel()
+    reader.close()
+    writer.put("nobody listens")  # no exception: the other side notices the death on its own
+    reader, writer = channel()
+    writer.close()
+    with pytest.raises(EOFError):
+        reader.get(timeout=1)
+
+
+def test_a_writer_pickles_without_its_threads():
+    _, writer = channel(background=True)
+    writer.put("started the feeder")
+    state = writer.__getstate__()
+    assert set(state) == {"conn", "background"}  # what a spawned child gets; it starts its own feeder
