@@ -25,17 +25,19 @@ ap.add_argument("--rounds", type=int, default=2)
 ap.add_argument("--skip-w1", action="store_true")
 ap.add_argument("--w2-reps", type=int, default=3)
 ap.add_argument("--out")
+ap.add_argument("--env-new", nargs="*", default=[], help="K=V set only for the new side (e.g. OMP_PROC_BIND=close)")
 args = ap.parse_args()
 SCRIPT = Path(__file__).parent / "peers" / "bench_llmrt.py"
 
 
-def one(checkout: str, dtype: str) -> dict:
+def one(checkout: str, dtype: str, extra_env: dict[str, str]) -> dict:
     """One bench_llmrt.py process against `checkout`; its JSON plus the load before and after."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         load0 = os.getloadavg()[0]
         cmd = [sys.executable, str(SCRIPT), args.model, args.workload, "--dtype", dtype, "--out", f.name,
                "--w2-reps", str(args.w2_reps)] + (["--skip-w1"] if args.skip_w1 else [])
-        subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": checkout}, stdout=subprocess.DEVNULL)
+        env = {**os.environ, **extra_env, "PYTHONPATH": checkout}
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         res = json.load(open(f.name))
     res["load"] = [load0, os.getloadavg()[0]]
     return res
@@ -48,7 +50,7 @@ def main() -> None:
         for dtype in args.dtypes:
             for name, checkout in (("old", args.old), ("new", args.new)) if r % 2 == 0 else \
                     (("new", args.new), ("old", args.old)):
-                res = one(checkout, dtype)
+                res = one(checkout, dtype, dict(kv.split("=", 1) for kv in args.env_new) if name == "new" else {})
                 row = {"round": r, "which": name, "dtype": dtype, "load": res["load"],
                        "w1_out_tok_s": res.get("W1", {}).get("output_tok_s"), "w2_ttft_ms": res["W2"]["ttft_ms"],
                        "w2_tpot_ms": res["W2"]["tpot_ms"], "first16": res["W2"]["first16"]}
