@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+VEC_LANES = Path(__file__).parents[1] / "kernels" / "csrc" / "vec_lanes.h"  # SOURCE includes it: in the build key
 # No -ffast-math: results must not depend on how many sequences share a step (the vector path's sums are in a
 # fixed order; the reference loop's `omp simd` reductions vectorize under -fopenmp alone).
 _CFLAGS = ["-O3", "-fopenmp"]
@@ -57,7 +58,7 @@ def load_kernel() -> Optional[AttentionKernels]:
     if os.environ.get("LLMRT_ATTENTION_KERNEL", "1").lower() in ("0", "off"):
         return None
     try:
-        b = load_or_compile("attention", "llmrt_paged_decode", [SOURCE], _cflags())
+        b = load_or_compile("attention", "llmrt_paged_decode", [SOURCE], _cflags(), [VEC_LANES])
     except Exception as e:  # no compiler or ninja: the torch backend still works
         logger.warning("cpu_paged attention kernel unavailable (%s: %s); using the torch backend",
                        type(e).__name__, (str(e).strip().splitlines() or [""])[-1])

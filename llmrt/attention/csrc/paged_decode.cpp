@@ -18,7 +18,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "../../kernels/csrc/vec_lanes.h"
+
 namespace {
+
+using ::vload;  // vec_lanes.h's float overload beside this file's own
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -88,32 +92,9 @@ void decode_generic(const Q* q_in, const KV* k_cache, const KV* v_cache, const i
   });
 }
 
-// Vector lanes of the build's ISA through GCC vector extensions (AVX-512: 16, AVX2: 8, else 4).
-#if defined(__AVX512F__)
-constexpr int64_t L = 16;
-#elif defined(__AVX2__)
-constexpr int64_t L = 8;
-#else
-constexpr int64_t L = 4;
-#endif
-typedef float vf __attribute__((vector_size(4 * L)));
-typedef int32_t vi __attribute__((vector_size(4 * L)));
-typedef uint32_t vu __attribute__((vector_size(4 * L)));
-typedef uint16_t vh __attribute__((vector_size(2 * L)));
+constexpr int64_t L = LANES;  // vector lanes (vec_lanes.h)
 
-inline vf vload(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline vf vload(const c10::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted into the high half
-  vh h;
-  std::memcpy(&h, p, sizeof(h));
-  const vu u = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-}
+inline vf vload(const c10::BFloat16* p) { return vload(reinterpret_cast<const uint16_t*>(p)); }
 // A fixed tree over the lanes (no -ffast-math: the order must not depend on the loop around it, so that a
 // sequence's result is the same whether its step has many sequences or few).
 inline float hsum(vf v) {
@@ -125,27 +106,7 @@ inline float hsum(vf v) {
   return part[0];
 }
 
-// Cephes' single-precision exp polynomial (about 1 ulp), the same in every lane (as fused_ops.cpp's).
-inline vf vexp(vf x) {
-  x = x < -87.3f ? vf{} - 87.3f : x;
-  x = x > 88.37f ? vf{} + 88.37f : x;
-  const vf t = x * 1.44269504088896341f + 0.5f;
-  vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
-  n = n > t ? n - 1.f : n;
-  vf r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof(vf));
-  return p * scale;
-}
+inline vf vexp(vf x) { return exp_poly<vf, vi>(x); }
 
 // The same attention with the head dimension in NC registers of L lanes (dim == NC * L). A work unit is one
 // sequence with all its KV heads when there are enough sequences to share out (W1's batched decode), else one

@@ -43,6 +43,8 @@ def _cflags(isa: str) -> list[str]:
     # No -ffast-math and no FMA contraction: a*b - c*d rounds like torch's separate ops.
     return ["-O3", "-fopenmp", "-ffp-contract=off", f"-DLLMRT_FUSED_NS=llmrt_fused_{isa}", *ISA_FLAGS.get(isa, [])]
 
+VEC_LANES = Path(__file__).parents[2] / "kernels" / "csrc" / "vec_lanes.h"  # SOURCE includes it: in the build key
+
 
 @functools.lru_cache(maxsize=None)
 def load(isa: str) -> FusedOps:
@@ -50,7 +52,7 @@ def load(isa: str) -> FusedOps:
     missing = [f for f in ISA_NEEDS.get(isa, ()) if f not in cpu_flags()]
     if missing:
         raise RuntimeError(f"this CPU lacks {', '.join(missing)} for the {isa} build of the fused ops")
-    b = load_or_compile("kernels", f"llmrt_fused_{isa}", [SOURCE], _cflags(isa))
+    b = load_or_compile("kernels", f"llmrt_fused_{isa}", [SOURCE], _cflags(isa), [VEC_LANES])
     ns = getattr(torch.ops, f"llmrt_fused_{isa}")
     logger.info("fused layer ops (%s) %s in %.2f s: %s", isa, "loaded from cache" if b.how == "cached"
                 else "compiled", b.seconds, b.path)

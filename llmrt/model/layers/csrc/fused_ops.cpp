@@ -13,11 +13,15 @@
 #include <cstring>
 #include <vector>
 
+#include "../../../kernels/csrc/vec_lanes.h"
+
 #ifndef LLMRT_FUSED_NS
 #error "LLMRT_FUSED_NS (the torch op namespace) must be defined"
 #endif
 
 namespace {
+
+using ::vload;  // vec_lanes.h's float overload beside this file's own
 
 // bf16 <-> fp32 as c10::BFloat16 does it (round to nearest even, NaN -> 0x7FC0), written so that loops vectorize.
 inline float load(float x) { return x; }
@@ -42,67 +46,20 @@ inline float round_to(float f, const uint16_t*) {
   return load(b);
 }
 
-// SiLU over one register of lanes with GCC vector extensions (AVX-512: 16, AVX2: 8, generic: 4), so the exp
+// SiLU (below) runs over registers of lanes (vec_lanes.h: AVX-512 16, AVX2 8, generic 4), so the exp
 // vectorizes whatever the build's ISA. exp is Cephes' single-precision polynomial (about 1 ulp), computed the same
 // way in every lane and for the scalar tail (glibc's vector expf is only offered under -ffast-math, avoided here).
-#if defined(__AVX512F__)
-constexpr int64_t LANES = 16;
-#elif defined(__AVX2__)
-constexpr int64_t LANES = 8;
-#else
-constexpr int64_t LANES = 4;
-#endif
-typedef float vf16 __attribute__((vector_size(4 * LANES)));
-typedef int32_t vi16 __attribute__((vector_size(4 * LANES)));
-typedef uint32_t vu16 __attribute__((vector_size(4 * LANES)));
-typedef uint16_t vh16 __attribute__((vector_size(2 * LANES)));
-
-template <typename V, typename I>
-inline V exp_poly(V x) {
-  x = x < -87.3f ? V{} - 87.3f : x;
-  x = x > 88.37f ? V{} + 88.37f : x;  // exp(88.37) < FLT_MAX: the exponent bits below stay finite
-  const V t = x * 1.44269504088896341f + 0.5f;
-  V n = __builtin_convertvector(__builtin_convertvector(t, I), V);  // truncation; floor below
-  n = n > t ? n - 1.f : n;
-  V r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
-  V scale;
-  std::memcpy(&scale, &bits, sizeof(V));
-  return p * scale;
-}
-
-inline vf16 vload(const float* p) {
-  vf16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline vf16 vload(const uint16_t* p) {
-  vh16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const vu16 u = __builtin_convertvector(h, vu16) << 16;
-  vf16 v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-}
-inline void vstore(float* p, vf16 v) { std::memcpy(p, &v, sizeof(v)); }
-inline void vstore(uint16_t* p, vf16 v) {  // round to nearest even, NaN -> 0x7FC0, as store() per lane
-  vu16 u;
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline void vstore(uint16_t* p, vf v) {  // round to nearest even, NaN -> 0x7FC0, as store() per lane
+  vu u;
   std::memcpy(&u, &v, sizeof(u));
-  const vu16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const vu16 out = (u & 0x7FFFFFFFu) > 0x7F800000u ? vu16{} + 0x7FC0u : rounded;
-  const vh16 h = __builtin_convertvector(out, vh16);
+  const vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const vu out = (u & 0x7FFFFFFFu) > 0x7F800000u ? vu{} + 0x7FC0u : rounded;
+  const vh h = __builtin_convertvector(out, vh);
   std::memcpy(p, &h, sizeof(h));
 }
-inline vf16 vround_to(vf16 v, const float*) { return v; }
-inline vf16 vround_to(vf16 v, const uint16_t*) {
+inline vf vround_to(vf v, const float*) { return v; }
+inline vf vround_to(vf v, const uint16_t*) {
   uint16_t tmp[LANES];
   vstore(tmp, v);
   return vload(tmp);
@@ -174,16 +131,16 @@ void silu_mul_rows(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t i
       // As torch: silu(gate) in T (rounded for bf16), then * up in T.
       int64_t d = 0;
       for (; d + LANES <= inner; d += LANES) {
-        const vf16 a = vload(g + d);
-        const vf16 act = vround_to(a / (1.f + exp_poly<vf16, vi16>(-a)), g);
+        const vf a = vload(g + d);
+        const vf act = vround_to(a / (1.f + exp_poly<vf, vi>(-a)), g);
         vstore(o + d, act * vload(u + d));
       }
       if (d < inner) {  // the tail through the same vector code, so every element rounds the same way
         T gt[LANES] = {}, ut[LANES] = {}, ot[LANES];
         std::memcpy(gt, g + d, (inner - d) * sizeof(T));
         std::memcpy(ut, u + d, (inner - d) * sizeof(T));
-        const vf16 a = vload(gt);
-        vstore(ot, vround_to(a / (1.f + exp_poly<vf16, vi16>(-a)), gt) * vload(ut));
+        const vf a = vload(gt);
+        vstore(ot, vround_to(a / (1.f + exp_poly<vf, vi>(-a)), gt) * vload(ut));
         std::memcpy(o + d, ot, (inner - d) * sizeof(T));
       }
     }
