@@ -173,19 +173,24 @@ def test_cpu_kv_cache_is_zeroed_memory_taken_on_first_touch():
     assert size // 8 * 0.9 < grown < size // 8 + size // 16
 
 
-def test_decode_metadata_fast_path_equals_the_general_one():
-    from llmrt.attention import build_decode_metadata
+def test_decode_only_steps_get_the_same_positions_and_slots_as_in_a_mixed_step():
+    """A step of one new token per sequence takes the list path (positions, slots); the same decodes followed by
+    a prefill span take the batched one: the decodes' positions and slots must agree."""
+    from llmrt.engine.step import StepInput
 
     bs = 4
     tables = [[7, 2], [5], [9, 3, 11, 1], [0]]
     lens = [6, 1, 16, 4]
-    pos = torch.tensor([n - 1 for n in lens])
-    ref = build_common_metadata(tables, [1] * 4, lens, pos, 4, bs, torch.device("cpu"))
-    got, got_pos = build_decode_metadata(tables, lens, bs, torch.device("cpu"))
-    assert torch.equal(got_pos, pos)
-    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
-        assert torch.equal(getattr(got, name), getattr(ref, name)), name
-    assert (got.num_decodes, got.query_start_loc_cpu, got.seq_lens_cpu) == (4, ref.query_start_loc_cpu, lens)
+    decodes = StepInput([1] * 4, tables, [1] * 4, lens, 4, [0, 1, 2, 3])
+    mixed = StepInput([1] * 9, tables + [[4, 6]], [1] * 4 + [5], lens + [7], 4, [0, 1, 2, 3, 8])
+    pos, pos_mixed = decodes.positions(), mixed.positions()
+    assert pos.tolist() == pos_mixed[:4].tolist() == [n - 1 for n in lens]
+    one = build_common_metadata(tables, [1] * 4, lens, pos, 4, bs, torch.device("cpu"))
+    both = build_common_metadata(mixed.block_tables, mixed.query_lens, mixed.seq_lens, pos_mixed, 4, bs,
+                                 torch.device("cpu"))
+    assert torch.equal(one.slot_mapping, both.slot_mapping[:4])
+    assert one.slot_mapping.tolist() == [2 * bs + 1, 5 * bs + 0, 1 * bs + 3, 0 * bs + 3]
+    assert torch.equal(one.block_tables, both.block_tables[:4, :4])
 
 
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=["src_f32", "src_bf16"])

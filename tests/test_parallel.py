@@ -50,10 +50,12 @@ def _assert_same(ref, got, tol: float = 1e-4) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("split", ["tp", "pp"])
 @pytest.mark.parametrize("arch", list(CASES))
-def test_tp2_greedy_tokens_and_logprobs_match_tp1(arch, models):
+def test_two_ranks_give_one_ranks_greedy_tokens_and_logprobs(arch, split, models):
+    """TP=2 or PP=2 (two stages) against one rank, for every architecture."""
     ref, _ = _generate(models[arch], 1)
-    got, _ = _generate(models[arch], 2)
+    got, _ = _generate(models[arch], 2) if split == "tp" else _generate(models[arch], 1, pipeline_parallel_size=2)
     _assert_same(ref, got)
 
 
@@ -163,7 +165,7 @@ def test_more_ranks_than_cores_is_refused(models, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill", "hang"])
-@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
+@pytest.mark.parametrize("split", ["tp", "pp"])
 def test_a_dead_or_hung_rank_is_engine_dead_within_the_timeout(fault, split, models):
     """A TP rank or a pipeline stage (rank 1 either way) killed or stopped: engine_dead within the timeout."""
     llm = LLM(str(models["llama3"]), **{split: 2}, distributed_timeout=3.0, **OPTS)

@@ -47,7 +47,8 @@ class CommonAttentionMetadata:
 def build_common_metadata(block_tables: list[list[int]], query_lens: list[int], seq_lens: list[int],
                           positions: torch.Tensor, num_decodes: int, block_size: int,
                           device: torch.device) -> CommonAttentionMetadata:
-    """Pad the block tables into one tensor and compute every new token's cache slot in one batched op.
+    """Pad the block tables into one tensor and compute every new token's cache slot (one batched op; a step
+    with one new token per sequence computes them from the lists, cheaper at decode sizes).
 
     `positions` (on the host) holds each new token's position, sequence by sequence.
     """
@@ -56,28 +57,16 @@ def build_common_metadata(block_tables: list[list[int]], query_lens: list[int], 
     qsl = [0]
     for n in query_lens:
         qsl.append(qsl[-1] + n)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens, dtype=torch.long))
-    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    if qsl[-1] == len(query_lens):  # one new token per sequence (decodes): from the lists, no batched index ops
+        slots = torch.tensor([t[(s - 1) // block_size] * block_size + (s - 1) % block_size
+                              for t, s in zip(block_tables, seq_lens)], dtype=torch.long)
+    else:
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)),
+                                               torch.tensor(query_lens, dtype=torch.long))
+        slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     return CommonAttentionMetadata(
         query_start_loc=torch.tensor(qsl, dtype=torch.long, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
         block_tables=tables.to(device), slot_mapping=slots.to(device), num_decodes=num_decodes,
         block_size=block_size, query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens))
 
-
-def build_decode_metadata(block_tables: list[list[int]], seq_lens: list[int], block_size: int,
-                          device: torch.device) -> tuple[CommonAttentionMetadata, torch.Tensor]:
-    """`build_common_metadata` for a step of decodes only (one new token per sequence, at position len - 1), and
-    the positions: computed from the lists directly, without the general path's batched index ops (its result)."""
-    n = len(seq_lens)
-    width = max((len(t) for t in block_tables), default=0)
-    positions = [s - 1 for s in seq_lens]
-    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(block_tables, positions)]
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long, device=device)
-    qsl = list(range(n + 1))
-    common = CommonAttentionMetadata(
-        query_start_loc=torch.arange(n + 1, dtype=torch.long, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device), block_tables=tables.view(n, width),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), num_decodes=n, block_size=block_size,
-        query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens))
-    return common, torch.tensor(positions, dtype=torch.long, device=device)

@@ -85,6 +85,8 @@ class StepInput:
     def positions(self) -> torch.Tensor:
         """Each new token's position, sequence by sequence: a span of q new tokens ending at length s holds
         positions s - q .. s - 1 (derived, so the step's message does not carry them)."""
+        if len(self.input_ids) == len(self.query_lens):  # one new token per sequence: each at its length - 1
+            return torch.tensor([s - 1 for s in self.seq_lens], dtype=torch.long)
         q = torch.tensor(self.query_lens, dtype=torch.long)
         first = torch.tensor(self.seq_lens, dtype=torch.long) - q
         starts = torch.cumsum(q, 0) - q

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from llmrt.attention import build_common_metadata, build_decode_metadata, select_attention_backend
+from llmrt.attention import build_common_metadata, select_attention_backend
 from llmrt.config import EngineConfig
 from llmrt.distributed.pipeline import PipeComm, StageTimes
 from llmrt.engine.memory_plan import estimate_activation_peak, parameter_bytes
@@ -194,9 +194,6 @@ class ModelRunner:
     def model_inputs(self, inp: StepInput) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Token ids, positions and attention metadata of a flat batch, on this runner's device."""
         ids = torch.tensor(inp.input_ids, dtype=torch.long, device=self.device)
-        if inp.num_decodes == len(inp.query_lens) == len(inp.input_ids):  # decodes only: no batched index ops
-            common, pos = build_decode_metadata(inp.block_tables, inp.seq_lens, self.block_size, self.device)
-            return ids, pos, self.attn_backend.build_metadata(common)
         pos = inp.positions()
         common = build_common_metadata(inp.block_tables, inp.query_lens, inp.seq_lens, pos, inp.num_decodes,
                                        self.block_size, self.device)
