@@ -165,7 +165,7 @@ def test_more_ranks_than_cores_is_refused(models, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill", "hang"])
-@pytest.mark.parametrize("split", ["tp", "pp"])
+@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
 def test_a_dead_or_hung_rank_is_engine_dead_within_the_timeout(fault, split, models):
     """A TP rank or a pipeline stage (rank 1 either way) killed or stopped: engine_dead within the timeout."""
     llm = LLM(str(models["llama3"]), **{split: 2}, distributed_timeout=3.0, **OPTS)
