@@ -25,7 +25,7 @@ AUTH, RAUTH = {"Authorization": f"Bearer {RKEY}"}, {"Authorization": f"Bearer {R
 
 def _serve_args(version: str, port: int = 0) -> list[str]:
     return ["serve", "--host", "127.0.0.1", "--port", str(port), "--model-version", version, "--api-key", KEY,
-            "--admin-api-key", ADMIN, "--disable-access-log"]
+            "--admin-api-key", ADMIN, "--disable-access-log", "--enable-debug-endpoints"]
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,14 @@ def test_round_robin_names_the_instance(cluster):
     assert [(m["id"], m["instances"], m["model_version"]) for m in models] == [("stories260K", 3, "v1")]
 
 
+def _slow_instances(cluster: dict, seconds: float) -> None:
+    """Every v1 instance adds `seconds` to each engine step (the debug "slow" fault; 0 ends it)."""
+    for url in cluster["urls"]:
+        r = httpx.post(f"{url}/debug/fault", json={"kind": "slow", "seconds": seconds},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        assert r.status_code == 200, r.text
+
+
 def test_least_load_avoids_instances_busy_with_streams(cluster):
     base = cluster["router"]
     _admin(base, "PUT", "policy", {"policy": "least-load"})
@@ -122,7 +130,13 @@ def test_least_load_avoids_instances_busy_with_streams(cluster):
             await asyncio.gather(*tasks, return_exceptions=True)
             return busy, free
 
-    busy, free = asyncio.run(run())
+    # 5 ms more per engine step: the embedded model otherwise streams 70% of its tokens before the short requests
+    # have been routed, and the window this test measures in is gone (it was, on an idle machine).
+    _slow_instances(cluster, 0.005)
+    try:
+        busy, free = asyncio.run(run())
+    finally:
+        _slow_instances(cluster, 0.0)
     assert len(set(busy)) == 2
     assert len(free) >= 2 and set(free) == set(cluster["names"]) - set(busy), (busy, free)
 
