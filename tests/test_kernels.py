@@ -292,7 +292,9 @@ def test_dense_copy_serves_large_steps_with_the_same_results(dtype, embedded_mod
             assert weights["on"] == llm.engine.executor.worker.model_runner.weights_bytes()
             extra = dense_copy_layers(model)[1]
             layer = packed[0]
-            x = torch.randn(layer.kernel_max_rows + 40, layer.in_features).to(getattr(torch, dtype))
+            # activations arrive in the compute dtype: fp32 where the CPU emulates bf16 (AVX2 only)
+            x_dtype = layer.compute_dtype or getattr(torch, dtype)
+            x = torch.randn(layer.kernel_max_rows + 40, layer.in_features).to(x_dtype)
             with torch.inference_mode():
                 dense = layer(x)
                 layer.keep_dense = False  # the same layer through the unpacked buffer

@@ -12,6 +12,7 @@ from llmrt.config import EngineConfig, ModelConfig
 from llmrt.engine.llm import LLM
 from llmrt.engine.memory_plan import plan_memory
 from llmrt.errors import UnsupportedError
+from llmrt import hardware
 from llmrt.hardware import EMULATED, NATIVE, UNSUPPORTED, check_formats, format_support
 from llmrt.model.quantization.int4 import dequantize_int4, pack_nibbles, quantize_int4
 from llmrt.model.quantization.int8 import quantize_int8
@@ -52,6 +53,7 @@ def test_unsupported_format_names_device_format_and_alternative():
 
 
 def test_emulated_format_warns(caplog):
+    hardware._warn_once.cache_clear()  # an earlier bf16 engine on an AVX2-only CPU already warned once
     with caplog.at_level(logging.WARNING):
         out = check_formats(CPU, torch.bfloat16, None, "auto", flags=frozenset({"avx2", "fma"}))
     assert out[0].status == EMULATED
