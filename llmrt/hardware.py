@@ -242,26 +242,26 @@ def _cpu_support(fmt: str, flags: frozenset[str]) -> tuple[str, str]:
     if fmt in ("bfloat16", "float16"):
         native = ("avx512_bf16" in flags or "amx_bf16" in flags) if fmt == "bfloat16" else \
             ("avx512_fp16" in flags or "amx_fp16" in flags)
-        from llmrt.kernels import MAX_ROWS
+        from llmrt.kernels import max_rows
 
         ours = kernel_isa(flags)
         if native:
             return NATIVE, f"{fmt} matmuls in hardware" + (
-                f"; llmrt's {ours} kernel for steps of up to {MAX_ROWS['bf16']} rows"
+                f"; llmrt's {ours} kernel for steps of up to {max_rows(ours, 'bf16')} rows"
                 if ours and fmt == "bfloat16" else "")
         if ours and fmt == "bfloat16":
             return EMULATED, (f"no {fmt} arithmetic on this CPU: weights stay {fmt} (half the bytes); steps of up "
-                              f"to {MAX_ROWS['bf16 upcast']} rows run llmrt's {ours} kernel (bf16 widened to float32 in registers), larger "
+                              f"to {max_rows(ours, 'bf16 upcast')} rows run llmrt's {ours} kernel (bf16 widened to float32 in registers), larger "
                               "ones upcast the weights and run float32 matmuls")
         return EMULATED, (f"no {fmt} arithmetic on this CPU: weights stay {fmt} (half the bytes) and matmuls of 3+ "
                           "rows run in float32 (emulated half matmuls are 3-5x slower than float32)")
     if fmt in ("int8", "int4"):
-        from llmrt.kernels import MAX_ROWS
+        from llmrt.kernels import max_rows
 
         ours = kernel_isa(flags)
         if ours:
             return NATIVE, (f"weight-only {fmt}: llmrt's {ours} kernel (weights packed at load) for steps of up to "
-                            f"{MAX_ROWS[fmt]} rows, dequantized to the compute dtype above (torch's packed kernels "
+                            f"{max_rows(ours, fmt)} rows, dequantized to the compute dtype above (torch's packed kernels "
                             "where ours cannot be built); the LM head int8 unless --lm-head-quantization none "
                             "(docs/quantization.md)")
         if avx2 and fmt == "int8":

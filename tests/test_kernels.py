@@ -270,17 +270,26 @@ def test_dense_copy_rule():
         LLM(dense_weight_copy="yes")
 
 
+def test_row_limits_follow_the_build():
+    """The kernels' row limit per format comes from the build's own measurements: AVX2's bf16-upcast layers keep
+    steps of up to 64 rows (its fp32 GEMM over an upcast copy is slower there); AVX-512 keeps the defaults."""
+    assert K.max_rows("avx2", "bf16 upcast") == 64
+    assert all(K.max_rows("avx2", f) == K.MAX_ROWS[f] for f in K.MAX_ROWS if f != "bf16 upcast")
+    assert all(K.max_rows(isa, f) == K.MAX_ROWS[f] for isa in ("avx512", "avx512vnni") for f in K.MAX_ROWS)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_dense_copy_serves_large_steps_with_the_same_results(dtype, embedded_model_dir):
     """With the dense copy kept, steps above kernel_max_rows run torch's GEMM on it: the same outputs as the
     per-step unpack, the same greedy tokens for a batch larger than the kernels take, and its bytes counted."""
     from llmrt.model.layers.linear import dense_copy_layers
 
-    prompts = [f"Once upon a time {i}" for i in range(20)]  # 20 rows per decode step: above bf16's kernel rows
+    # 70 rows per decode step: above every format's kernel rows (kernels.max_rows)
+    prompts = [f"Once upon a time {i}" for i in range(70)]
     params = SamplingParams(max_tokens=12, temperature=0)
     out, weights = {}, {}
     for setting in ("on", "off"):
-        llm = LLM(dtype=dtype, dense_weight_copy=setting, max_num_seqs=32)
+        llm = LLM(dtype=dtype, dense_weight_copy=setting, max_num_seqs=80)
         layers = _linears(llm)
         packed = [m for m in layers if m.packed is not None]
         assert packed and all(m.keep_dense == (setting == "on") for m in packed)

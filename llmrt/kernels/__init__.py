@@ -44,6 +44,13 @@ ISA_FLAGS = {
 # GEMM over an upcast copy. fp32 (idle, summed over the same shapes, old kernels): ours 3.5 vs torch's 9.3 ms at
 # 1 row, 6.2 vs 18.3 at 8, 19.8 vs 41.9 at 64. int8/int4: ours matched or beat dequantize+GEMM up to 64 rows.
 MAX_ROWS = {"fp32": 64, "bf16": 8, "bf16 upcast": 16, "int8": 64, "int4": 64}
+# Where a build's own measurements moved a limit (benchmarks/kernel_rows.py: weights cold, 12 layers' distinct
+# copies read in turn as a step reads them, the 110m model's 48 layer linears summed, 2 threads). AVX2 (AMD EPYC
+# without AVX-512, load < 1, benchmarks/kernel-rows-avx2.md): "bf16 upcast" ours against the fp32 GEMM over an upcast
+# copy, 16 rows 38.2 vs 96.1 ms, 32 rows 47.7 vs 121.8, 64 rows 111.9 vs 154.9. fp32 ours stays level with or ahead
+# of torch's GEMM on the dense copy up to 64 rows (131.5 vs 132.6 at 64); with warm weights (one layer called again
+# and again) torch's won above 16 fp32 rows, which is not what a step sees.
+MAX_ROWS_BY_ISA: dict[str, dict[str, int]] = {"avx2": {"bf16 upcast": 64}}
 ISA_NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
              "avx512vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")}
 
@@ -134,10 +141,16 @@ def int8_activations() -> bool:
     return choice in ("1", "on")
 
 
+def max_rows(isa: str, fmt: str) -> int:
+    """Up to how many rows `isa`'s build computes a layer of format `fmt` (a MAX_ROWS key)."""
+    isa = "avx512" if isa.startswith("avx512") else isa
+    return MAX_ROWS_BY_ISA.get(isa, {}).get(fmt, MAX_ROWS[fmt])
+
+
 def for_layer(fmt: str, weight: torch.Tensor) -> tuple[Optional[KernelLib], int]:
     """(kernels, max rows) for a layer of format `fmt` (a MAX_ROWS key) whose weights are `weight`;
     (None, 0) where torch's paths compute it (not a CPU tensor, or no kernels)."""
     if weight.device.type != "cpu":
         return None, 0
     lib = kernels()
-    return (lib, MAX_ROWS[fmt]) if lib is not None else (None, 0)
+    return (lib, max_rows(lib.isa, fmt)) if lib is not None else (None, 0)
