@@ -69,3 +69,27 @@ def test_dtypes(dtype):
     assert llm.engine.executor.worker.model_runner.model.lm_head.dense_weight().dtype == getattr(torch, dtype)
     text = llm.generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].text
     assert text.startswith(", there was a little")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_norm_weights_load_in_the_compute_dtype(native, monkeypatch):
+    """bf16 weights on a CPU without bf16 arithmetic compute in float32: the norms' weights are loaded in float32 so
+    the fused norm takes them (before, every norm fell back to ~10 torch ops); with bf16 arithmetic they stay bf16.
+    `llmrt plan` counts the same bytes, and the greedy tokens are those of the norms' torch path."""
+    from llmrt import hardware
+    from llmrt.engine.memory_plan import plan_memory
+    from llmrt.model.layers.fused import set_fused
+    from llmrt.model.layers.norms import RMSNorm
+
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
+    llm = LLM(dtype="bfloat16")
+    model = llm.engine.executor.worker.model_runner.model
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    want = torch.bfloat16 if native else torch.float32
+    assert norms and all(m.weight.dtype == want for m in norms)
+    plan = plan_memory(llm.engine.config.model.hf_config, memory_bytes=24 << 30, dtype=torch.bfloat16)
+    assert plan.weights_bytes == llm.engine.memory.weights_bytes
+    params = SamplingParams(max_tokens=24, temperature=0)
+    fused = llm.generate(["Once upon a time"], params)[0].outputs[0].token_ids
+    set_fused(model, False)
+    assert llm.generate(["Once upon a time"], params)[0].outputs[0].token_ids == fused
