@@ -37,6 +37,22 @@ def test_generate_path_imports_only_what_the_first_token_needs():
     assert not {m for m in HEAVY if m in mods}, {m for m in HEAVY if m in mods}
 
 
+def test_generate_command_exits_without_teardown_and_loses_nothing():
+    """`llmrt generate` as a process ends right after its text (no interpreter teardown): the streamed text is
+    whole on a pipe, the same as the in-process engine's, and errors keep their exit code."""
+    from llmrt import LLM, SamplingParams
+
+    cmd = [sys.executable, "-m", "llmrt.cli", "generate", "--prompt", "Once upon", "--max-tokens", "12",
+           "--temperature", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = LLM().generate(["Once upon"], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].text
+    assert out.stdout == "Once upon" + text + "\n"
+    bad = subprocess.run([sys.executable, "-m", "llmrt.cli", "generate", "/nonexistent", "--prompt", "x"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "model_load_error" in bad.stderr
+
+
 TEXTS = ["Once upon a time", "def hello(x):\n    return x + 1  # héllo 🦙", "  two  spaces\tand a tab", "</s> in text",
          "\u00e9\u00e8 \u4e2d\u6587 \U0001f600"]
 
