@@ -270,12 +270,21 @@ def test_dense_copy_rule():
         LLM(dense_weight_copy="yes")
 
 
-def test_row_limits_follow_the_build():
-    """The kernels' row limit per format comes from the build's own measurements: AVX2's bf16-upcast layers keep
-    steps of up to 64 rows (its fp32 GEMM over an upcast copy is slower there); AVX-512 keeps the defaults."""
-    assert K.max_rows("avx2", "bf16 upcast") == 64
-    assert all(K.max_rows("avx2", f) == K.MAX_ROWS[f] for f in K.MAX_ROWS if f != "bf16 upcast")
-    assert all(K.max_rows(isa, f) == K.MAX_ROWS[f] for isa in ("avx512", "avx512vnni") for f in K.MAX_ROWS)
+def test_bf16_upcast_layers_take_their_builds_row_limit(monkeypatch, embedded_model_dir):
+    """Where bf16 is emulated, a loaded model's packed bf16 layers run the kernel up to the limit of the build that
+    loaded (kernels.max_rows: 64 on AVX2, the default elsewhere), and the capability check says that number; the
+    VNNI build shares the AVX-512 limits."""
+    from llmrt import hardware
+
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+    llm = LLM(dtype="bfloat16")
+    isa = K.kernels().isa
+    packed = [m for m in _linears(llm) if m.packed is not None]
+    assert packed and {m.kernel_max_rows for m in packed} == {K.max_rows(isa, "bf16 upcast")}
+    flags = frozenset(K.ISA_NEEDS[isa])  # exactly the build's ISA, no bf16 arithmetic
+    detail = hardware.format_support(torch.device("cpu"), "bfloat16", flags).detail
+    assert f"up to {K.max_rows(isa, 'bf16 upcast')} rows" in detail
+    assert all(K.max_rows("avx512vnni", f) == K.max_rows("avx512", f) for f in K.MAX_ROWS)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -139,7 +139,7 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
 
     from llmrt.attention.kv_quant import kv_bytes_per_token
     from llmrt.hardware import compute_dtype
-    from llmrt.model.loader import build_model, norms_in_compute_dtype
+    from llmrt.model.loader import build_model
     from llmrt.model.quantization import get_quantization_config, resolve_lm_head
 
     from llmrt.distributed.parallel_state import building_shard
@@ -157,9 +157,8 @@ def plan_memory(hf_config: dict[str, Any], *, memory_bytes: int, dtype: torch.dt
     for stage in range(pp):
         # rank 0's shard of each stage: split layers at 1/tp, norms (and few KV heads) replicated
         with building_shard(0, tp), building_stage(stage, pp):
-            model = build_model(hf_config, arch, dtype, dtype, "meta", quant)
-        # as a CPU engine here holds them (the packed layouts below assume this machine's CPU too)
-        norms_in_compute_dtype(model, compute_dtype(torch.device("cpu"), dtype))
+            # computing as a CPU engine here would (the packed layouts below assume this machine's CPU too)
+            model = build_model(hf_config, arch, dtype, compute_dtype(torch.device("cpu"), dtype), "meta", quant)
         stage_weights, stage_dense = _planned_weight_bytes(model, quant, dense_weight_copy, memory_bytes)
         if stage_weights > weights:
             weights, dense = stage_weights, stage_dense

@@ -71,12 +71,27 @@ def checkpoint_tensors(path: Path, hf_config: dict, int4_rows: bool = False) -> 
                 yield hf_name, CheckpointTensor(tuple(part.get_shape()), lambda index, p=part: p[index])
 
 
+def _norms_in_compute_dtype(model: CausalLM, compute: torch.dtype) -> None:
+    """Norm weights in the compute dtype where it is wider than the parameters' (bf16 weights on a CPU without bf16
+    arithmetic compute in float32): the fused norm then takes them as they are, instead of every call falling back
+    to ~10 torch ops that upcast the weight anyway (25 norms a step, ~70 us each on an AVX2 CPU). The same values:
+    the torch path multiplies by the weight in float32 too; the loader casts the checkpoint's into them."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, LayerNorm)):
+            for p in module.parameters(recurse=False):
+                if p.is_floating_point() and p.dtype.itemsize < compute.itemsize:
+                    p.data = p.data.to(compute)
+
+
 def build_model(hf_config: dict, arch: str, dtype: torch.dtype, compute: torch.dtype,
                 device: torch.device | str, quant_config: Optional[QuantizationConfig] = None) -> CausalLM:
-    """Construct `arch`'s model with `dtype` parameters on `device`, unfilled ("meta" for sizes only)."""
+    """Construct `arch`'s model with `dtype` parameters on `device`, unfilled ("meta" for sizes only); norm
+    weights are in `compute` where it is wider (see _norms_in_compute_dtype)."""
     cls = resolve_architecture(arch)
     with torch.device(device), _default_dtype(dtype):
-        return cls(hf_config, compute, arch, quant_config=quant_config)
+        model = cls(hf_config, compute, arch, quant_config=quant_config)
+    _norms_in_compute_dtype(model, compute)
+    return model
 
 
 def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
@@ -97,7 +112,6 @@ def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
         if isinstance(module, Linear):
             module.native_max_rows = native_rows
     load_weights(model, Path(model_cfg.model), int4_rows)
-    norms_in_compute_dtype(model, compute_dtype(device, dtype))
     _choose_dense_copies(model, model_cfg.dense_weight_copy, device)
     for module in model.modules():
         if isinstance(module, Linear):
@@ -106,18 +120,6 @@ def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
         head = "int8, per output channel" if model_cfg.lm_head_quantization == "int8" else f"{dtype} (not quantized)"
         logger.info("weights %s; LM head %s (--lm-head-quantization)", model_cfg.quantization, head)
     return model.eval()
-
-
-def norms_in_compute_dtype(model: CausalLM, compute: torch.dtype) -> None:
-    """Norm weights in the compute dtype where it is wider than the checkpoint's (bf16 weights on a CPU without bf16
-    arithmetic compute in float32): the fused norm then takes them as they are, instead of every call falling back
-    to ~10 torch ops that upcast the weight anyway (25 norms a step, ~70 us each on an AVX2 CPU). The same values:
-    the torch path multiplies by the weight in float32 too."""
-    for module in model.modules():
-        if isinstance(module, (RMSNorm, LayerNorm)):
-            for p in module.parameters(recurse=False):
-                if p.dtype != compute and p.dtype.itemsize < compute.itemsize and p.is_floating_point():
-                    p.data = p.data.to(compute)
 
 
 def _choose_dense_copies(model: CausalLM, setting: str, device: torch.device) -> None:
