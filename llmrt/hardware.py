@@ -296,7 +296,9 @@ def _cuda_support(fmt: str, cap: tuple[int, int]) -> tuple[str, str]:
         return EMULATED, "weight-only int4 dequantized to the compute dtype per matmul (tinygemm not wired yet)"
     if fmt == "fp8":
         if sm >= 89:
-            return NATIVE, "e4m3 weights, per-channel scales, torch._scaled_mm; untested here"
+            return NATIVE, ("e4m3 weights with per-channel scales and per-token e4m3 activations on the fp8 tensor "
+                            "cores (torch._scaled_mm: scales in its epilogue on sm_90, applied after elsewhere); "
+                            "the LM head stays in the model dtype")
         return UNSUPPORTED, (f"fp8 matmuls need sm_89+ (Ada/Hopper), this GPU is sm_{sm}; use --quantization int8 "
                              "or int4")
     if fmt == "kv:int8":

@@ -18,6 +18,7 @@ from llmrt.attention import build_common_metadata, select_attention_backend
 from llmrt.attention.kv_quant import allocate_kv
 from llmrt.config import ModelConfig
 from llmrt.engine.memory_plan import parameter_bytes
+from llmrt.hardware import check_formats
 from llmrt.model.loader import load_model
 
 DEFAULT_TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with "
@@ -29,11 +30,15 @@ DEFAULT_TEXT = ("Once upon a time, there was a little girl named Lily. She loved
 
 @torch.inference_mode()
 def teacher_forced_logits(model_cfg: ModelConfig, tokens: list[int], kv_cache_dtype: str = "auto",
-                          block_size: int = 4, chunk: int = 16) -> tuple[torch.Tensor, int]:
-    """(float32 logits at every position of `tokens`, weight bytes) for `model_cfg`, prefilled in chunks."""
-    model = load_model(model_cfg, torch.device("cpu"))
+                          block_size: int = 4, chunk: int = 16,
+                          device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
+    """(float32 logits on the CPU at every position of `tokens`, weight bytes) for `model_cfg` on `device`,
+    prefilled in chunks. The configuration's formats are checked for the device first, as the engine does."""
+    device = torch.device(device)
+    check_formats(device, model_cfg.torch_dtype, model_cfg.quantization, kv_cache_dtype)
+    model = load_model(model_cfg, device)
     hidden = prefill(model, model_cfg.torch_dtype, tokens, kv_cache_dtype, block_size, chunk)
-    return torch.cat([model.compute_logits(h) for h in hidden]).float(), parameter_bytes(model)
+    return torch.cat([model.compute_logits(h) for h in hidden]).float().cpu(), parameter_bytes(model)
 
 
 @torch.inference_mode()
@@ -96,10 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the unquantized model to compare against: MODEL is then scored as it is (e.g. a GPTQ "
                         "checkpoint from `llmrt quantize`), and --quantization applies to the reference")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", action="append", choices=["int8", "int4"], default=None,
+    p.add_argument("--quantization", action="append", choices=["int8", "int4", "fp8"], default=None,
                    help="a configuration to measure (repeatable; default: int8 and int4, none with --reference)")
     p.add_argument("--quant-group-size", type=int, default=32, choices=[32, 64, 128])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="also for the quantized runs")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"], help="also for the quantized runs")
+    p.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda or cuda:N")
     p.add_argument("--text", default=None, help="a text file to score (default: a built-in short story)")
     p.add_argument("--max-tokens", type=int, default=512, help="score at most this many tokens")
     p.add_argument("--output", default=None, help="write the reports as JSON here")
@@ -115,18 +121,18 @@ def run(args: argparse.Namespace) -> int:
     text = Path(args.text).read_text() if args.text else DEFAULT_TEXT
     tokens = load_tokenizer(base.model).encode(text)[: min(args.max_tokens, int(base.max_model_len))]
     t = time.perf_counter()
-    ref, ref_bytes = teacher_forced_logits(base, tokens)
+    ref, ref_bytes = teacher_forced_logits(base, tokens, device=args.device)
     reports = [compare("unquantized", ref, ref, tokens, ref_bytes, time.perf_counter() - t)]
     if args.reference is not None:
         cfg = ModelConfig(args.model, dtype=args.dtype)
         t = time.perf_counter()
-        logits, nbytes = teacher_forced_logits(cfg, tokens, args.kv_cache_dtype)
+        logits, nbytes = teacher_forced_logits(cfg, tokens, args.kv_cache_dtype, device=args.device)
         reports.append(compare(checkpoint_label(cfg), logits, ref, tokens, nbytes, time.perf_counter() - t))
     default = [] if args.reference is not None else ["int8", "int4"]
     for q in args.quantization or default:
         cfg = ModelConfig(source, dtype=args.dtype, quantization=q, quant_group_size=args.quant_group_size)
         t = time.perf_counter()
-        logits, nbytes = teacher_forced_logits(cfg, tokens, args.kv_cache_dtype)
+        logits, nbytes = teacher_forced_logits(cfg, tokens, args.kv_cache_dtype, device=args.device)
         label = q + (f" g{args.quant_group_size}" if q == "int4" else "") + \
             (f" kv {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
         reports.append(compare(label, logits, ref, tokens, nbytes, time.perf_counter() - t))
@@ -156,14 +162,16 @@ def checkpoint_label(cfg: ModelConfig) -> str:
 
 
 def quality_of(model_dir: str, tokens: list[int], quantization: Optional[str], kv_cache_dtype: str = "auto",
-               group_size: int = 32, ref: Optional[torch.Tensor] = None, as_stored: bool = False) -> QualityReport:
+               group_size: int = 32, ref: Optional[torch.Tensor] = None, as_stored: bool = False,
+               device: torch.device | str = "cpu", dtype: str = "float32") -> QualityReport:
     """One configuration against the unquantized float32 model (or `ref`), for tests and scripts; `as_stored`:
     the checkpoint in its own format (a GPTQ checkpoint as int4), `ref` then required."""
     if ref is None:
-        ref, _ = teacher_forced_logits(ModelConfig(model_dir, dtype="float32", quantization="none"), tokens)
-    cfg = ModelConfig(model_dir, dtype="float32", quantization=None if as_stored else quantization or "none",
+        ref, _ = teacher_forced_logits(ModelConfig(model_dir, dtype="float32", quantization="none"), tokens,
+                                       device=device)
+    cfg = ModelConfig(model_dir, dtype=dtype, quantization=None if as_stored else quantization or "none",
                       quant_group_size=group_size)
     t = time.perf_counter()
-    logits, nbytes = teacher_forced_logits(cfg, tokens, kv_cache_dtype)
+    logits, nbytes = teacher_forced_logits(cfg, tokens, kv_cache_dtype, device=device)
     return compare(checkpoint_label(cfg) if as_stored else str(quantization), logits, ref, tokens, nbytes,
                    time.perf_counter() - t)
