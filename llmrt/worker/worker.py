@@ -67,9 +67,16 @@ class Worker:
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         elif self.device.type == "cuda":
-            _, total = device_memory_free_total(self.device)
-            used_elsewhere = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            budget = kv_budget_bytes(total, cc.gpu_memory_utilization, weights, activation, used_elsewhere)
+            # Blocks torch's allocator caches with no tensor in them (the activation probe's, a closed engine's
+            # KV cache) are free for this cache: hand them back first, or they would read as used by others.
+            torch.cuda.empty_cache()
+            free, total = device_memory_free_total(self.device)
+            # What this process's allocator does not hold: other processes and the CUDA context.
+            used_elsewhere = max(0, total - free - torch.cuda.memory_reserved(self.device))
+            # ... and never more than is free now, less 3% for the allocator's rounding (another engine of this
+            # process holds its share): fewer blocks or a clear out-of-memory error, not a failed allocation.
+            budget = min(kv_budget_bytes(total, cc.gpu_memory_utilization, weights, activation, used_elsewhere),
+                         int(free * 0.97) - activation)
             num_blocks = num_kv_blocks(budget, per_token, self.block_size)
         else:
             budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_BYTES
