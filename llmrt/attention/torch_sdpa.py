@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmrt.attention.base import AttentionBackend, register_attention_backend
 from llmrt.attention.kv_quant import dequantize_kv, is_quantized, quantize_kv
@@ -147,8 +148,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill(layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: Optional[torch.Tensor]) -> torch.Tensor:
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, tokens, head_dim]
-        o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
-                                           is_causal=mask is None, scale=layer.scale, enable_gqa=layer.gqa)
+        o = _sdpa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=mask is None,
+                  scale=layer.scale, enable_gqa=layer.gqa)
         return o[0].transpose(0, 1)
 
     @staticmethod
@@ -161,9 +162,24 @@ class TorchAttentionBackend(AttentionBackend):
         k = _read(layer.k_cache.index_select(0, flat).view(n, span, heads, stored), q.dtype).transpose(1, 2)
         v = _read(layer.v_cache.index_select(0, flat).view(n, span, heads, stored), q.dtype).transpose(1, 2)
         mask = meta.decode_mask(block_size, layer.sliding_window)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                           scale=layer.scale, enable_gqa=layer.gqa)
+        o = _sdpa(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=layer.scale,
+                  enable_gqa=layer.gqa)
         return o.squeeze(2)
+
+
+# On CUDA, torch may pick cuDNN's attention, which builds an execution plan for every new shape: prefill spans
+# of many lengths cost 6 ms of host time per call on the H200, 89% of a W1-like run's wall time, and cached
+# decode shapes 0.14 ms (benchmarks/cuda-profile-NVIDIA-H200.txt). Flash and memory-efficient attention take
+# any length with no plan to build; MATH is the fallback for inputs neither takes.
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """torch SDPA; on CUDA without cuDNN's backend (see above)."""
+    if q.is_cuda:
+        with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def _read(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
