@@ -6,7 +6,7 @@ With --torch-paths, every configuration is also built with LLMRT_KERNELS=0 (torc
 every int8/int4 configuration is also built with LLMRT_INT8_ACTIVATIONS=1 (activations quantized to int8,
 integer dot products: csrc/qdot.h), labelled "... (int8 act)".
 
-Run: PYTHONPATH=. python benchmarks/quantization.py [--rounds 3] [--torch-paths]
+Run: PYTHONPATH=. python benchmarks/quantization.py [--rounds 3] [--torch-paths] [--device cuda]
   -> benchmarks/quantization-*.json + quantization.md
 """
 from __future__ import annotations
@@ -35,7 +35,11 @@ CONFIGS = {  # label -> LLM options
     # decode step) in bf16 rather than fp32: what a user fitting the model in less memory would run.
     "int8 (bf16)": dict(dtype="bfloat16", quantization="int8"),
     "int4 g32 (bf16)": dict(dtype="bfloat16", quantization="int4", quant_group_size=32),
+    # CUDA sm_89+ only (refused on CPUs): e4m3 weights and per-token e4m3 activations on the fp8 tensor cores.
+    "fp8 (bf16)": dict(dtype="bfloat16", quantization="fp8"),
+    "bf16 + kv fp8": dict(dtype="bfloat16", kv_cache_dtype="fp8"),
 }
+CPU_CONFIGS = [k for k, v in CONFIGS.items() if v.get("quantization") != "fp8" and v.get("kv_cache_dtype") != "fp8"]
 
 
 def main() -> None:
@@ -43,7 +47,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), help="a subset of: " + ", ".join(CONFIGS))
+    ap.add_argument("--configs", nargs="*", default=None,
+                    help="a subset of: " + ", ".join(CONFIGS) + " (default: all on CUDA, all but the fp8 ones on CPUs)")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where every configuration runs")
     ap.add_argument("--model", help="a checkpoint directory instead of the random 110m model")
     ap.add_argument("--name", default="quantization", help="prefix of the result files and table")
     ap.add_argument("--torch-paths", action="store_true", help="also measure every config with LLMRT_KERNELS=0")
@@ -51,6 +58,11 @@ def main() -> None:
                     help="also measure int8/int4 configs with LLMRT_INT8_ACTIVATIONS=1")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args()
+    device = torch.device(args.device)
+    if args.configs is None:
+        args.configs = list(CONFIGS) if device.type == "cuda" else CPU_CONFIGS
+    # CPU engines take a fixed KV budget; CUDA ones a share of the card, small enough for every config at once.
+    memory = dict(kv_cache_memory=64 << 20) if device.type == "cpu" else dict(gpu_memory_utilization=0.05)
     if args.threads:  # on a loaded machine 2 OpenMP threads wait for each other at every matmul's barrier
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else default_cache_dir() / "110m-float32"
@@ -62,10 +74,10 @@ def main() -> None:
         llmrt.kernels.kernels.cache_clear()
         for k, v in ((k, CONFIGS[k]) for k in args.configs):
             label = f"{k} (torch)" if paths == "torch" else k
-            llms[label] = LLM(str(path), max_model_len=1024, kv_cache_memory=64 << 20, **v)
+            llms[label] = LLM(str(path), max_model_len=args.max_model_len, device=args.device, **memory, **v)
             if args.int8_act and paths == "ours" and v.get("quantization"):
                 os.environ["LLMRT_INT8_ACTIVATIONS"] = "1"
-                llms[f"{k} (int8 act)"] = LLM(str(path), max_model_len=1024, kv_cache_memory=64 << 20, **v)
+                llms[f"{k} (int8 act)"] = LLM(str(path), max_model_len=args.max_model_len, device=args.device, **memory, **v)
                 os.environ.pop("LLMRT_INT8_ACTIVATIONS")
     lib = llmrt.kernels.kernels()
     prompt = list(range(10, 42))
@@ -95,15 +107,15 @@ def main() -> None:
         rows[label] = {**best[label], "tpot_vs_best_full": best[label]["tpot_ms"] / full,
                        "weights_MiB": m.weights_bytes / (1 << 20), "kv_B_per_token": m.kv_bytes_per_token,
                        "kv_MiB_at_1k_ctx": m.kv_bytes_per_token * 1024 / (1 << 20),
-                       "max_seqs_at_1k_in_64MiB": m.max_concurrent_sequences(1024)}
-    result = {"date": now_iso(), "machine": machine_info(), "isa": describe_device(torch.device("cpu")),
+                       "max_seqs_at_1k": m.max_concurrent_sequences(1024), "kv_cache_MiB": m.kv_cache_bytes / (1 << 20)}
+    result = {"date": now_iso(), "machine": machine_info(args.device), "isa": describe_device(device),
               "kernels": lib.isa if lib else None, "load_average": loads, "rounds": args.rounds,
               "model": str(path), "tokens": args.tokens, "batch": args.batch, "results": rows, "dtype": "mixed",
               "threads": torch.get_num_threads()}
     for label, r in rows.items():
         print(f"{label:<16} TPOT {r['tpot_ms']:7.2f} ms ({r['tpot_vs_best_full']:.2f}x)  batch {r['throughput_tok_s']:7.1f} "
               f"tok/s  weights {r['weights_MiB']:7.1f} MiB  KV {r['kv_B_per_token']} B/token  "
-              f"seqs@1k {r['max_seqs_at_1k_in_64MiB']}")
+              f"seqs@1k {r['max_seqs_at_1k']}")
     print("load average", loads)
     for label, r in rows.items():
         slug = label.replace(" ", "-").replace("+", "").replace("(", "").replace(")", "")
