@@ -260,9 +260,11 @@ def _cpu_support(fmt: str, flags: frozenset[str]) -> tuple[str, str]:
 
         ours = kernel_isa(flags)
         if ours:
-            return NATIVE, (f"weight-only {fmt}: llmrt's {ours} kernel (weights packed at load) for steps of up to "
-                            f"{max_rows(ours, fmt)} rows, dequantized to the compute dtype above (torch's packed kernels "
-                            "where ours cannot be built); the LM head int8 unless --lm-head-quantization none "
+            bf16dot = (" (int4 with bf16 activations: vdpbf16ps)" if fmt == "int4" and ours.startswith("avx512")
+                       and "avx512_bf16" in flags else "")
+            return NATIVE, (f"weight-only {fmt}: llmrt's {ours} kernel{bf16dot} (weights packed at load) for steps of "
+                            f"up to {max_rows(ours, fmt)} rows, dequantized to the compute dtype above (torch's packed "
+                            "kernels where ours cannot be built); the LM head int8 unless --lm-head-quantization none "
                             "(docs/quantization.md)")
         if avx2 and fmt == "int8":
             return NATIVE, ("weight-only int8: torch's packed kernel (bf16 activations) for steps of up to 8 rows, "

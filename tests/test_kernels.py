@@ -138,10 +138,43 @@ def test_a_rows_result_does_not_depend_on_the_batch(isa):
     for fmt, int8_act in [("fp32", False), ("bf16", False), ("int8", False), ("int4", False), ("int8", True),
                           ("int4", True)]:
         p, _ = _weights(lib, 67, 300, fmt, torch.randn(67), int8_act)
-        full = p(x)
-        ones = torch.cat([p(x[i:i + 1]) for i in range(64)])
-        threes = torch.cat([p(x[i:i + 3]) for i in range(0, 64, 3)])
-        assert torch.equal(full, ones) and torch.equal(full, threes), (isa, fmt, int8_act)
+        for xs in (x, x.bfloat16()):  # int4 with bf16 activations: the vdpbf16ps kernel where the CPU has it
+            full = p(xs)
+            ones = torch.cat([p(xs[i:i + 1]) for i in range(64)])
+            threes = torch.cat([p(xs[i:i + 3]) for i in range(0, 64, 3)])
+            assert torch.equal(full, ones) and torch.equal(full, threes), (isa, fmt, int8_act, xs.dtype)
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
+@pytest.mark.parametrize("isa", [isa for isa in ISAS if isa.startswith("avx512")])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_int4_times_bf16_by_vdpbf16ps(isa, gs, monkeypatch):
+    """csrc/int4_bf16dot.h: bf16 activations against the float64 product (its magic-number form, 0x4300 | q =
+    128 + q, cancels 136 s * sum(x): still within fp32 rounding of sum|x||w|), the float kernel's results within
+    the output's bf16 rounding, chosen for bf16 activations only, and off with LLMRT_INT4_BF16DOT=0."""
+    torch.manual_seed(5)
+    lib = K.load(isa)
+    assert lib.linear_int4_bf16dot is not None
+    for n, k in SHAPES + [(256, 1000)]:
+        kp = k + (-k % gs)
+        q, sc, z = quantize_int4(F.pad(torch.randn(n, k), (0, kp - k)), gs)
+        sz = torch.stack([sc, z], -1).bfloat16().double()
+        dense = ((q.double().view(n, -1, gs) - 8) * sz[..., 0][..., None] + sz[..., 1][..., None]).view(n, kp)[:, :k]
+        bias = torch.randn(n)
+        p = PackedLinear.int4(lib, q, sc, z, gs, k, bias)
+        assert p.bf16dot
+        for rows in (1, 3, 4, 9):
+            x = torch.randn(rows, k).bfloat16()
+            ref = x.double() @ dense.T + bias.double()
+            y = p(x)
+            assert y.dtype == torch.bfloat16
+            scale = 1e-5 * (x.double().abs() @ dense.abs().T) + 1e-6
+            assert ((y.double() - ref).abs() <= scale + ref.abs() * 2 ** -8).all(), (isa, gs, n, k, rows)
+            # the float kernel on the same bf16 x: the fp32 sums differ in order only, then one bf16 rounding each
+            old = lib.linear_int4(x, p.data, p.sz, gs, n, p.bias).double()
+            assert ((y.double() - old).abs() <= 2 * scale + 2 ** -7 * torch.maximum(y.double().abs(), old.abs())).all()
+    monkeypatch.setenv("LLMRT_INT4_BF16DOT", "0")
+    assert not PackedLinear.int4(lib, q, sc, z, gs, k).bf16dot
 
 
 @pytest.mark.parametrize("isa", ISAS)

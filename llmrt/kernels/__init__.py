@@ -72,6 +72,8 @@ class KernelLib:
     linear_int8_q8: Callable[..., torch.Tensor]  # int8-quantized activations, integer dot products (qdot.h)
     linear_int4_q8: Callable[..., torch.Tensor]
     int_dot: str  # which instructions those use, e.g. "avx512-vnni vpdpbusd"
+    # int4 weights times bf16 activations by vdpbf16ps (csrc/int4_bf16dot.h): AVX-512 builds on AVX512-BF16 CPUs
+    linear_int4_bf16dot: Optional[Callable[..., torch.Tensor]] = None
 
 
 def build_for(flags: frozenset[str]) -> Optional[str]:
@@ -91,9 +93,10 @@ def build_dir(isa: str) -> Path:
 
 def _ops(isa: str, path: Path, how: str, seconds: float) -> KernelLib:
     ns = getattr(torch.ops, f"llmrt_{isa}")
+    bf16dot = ns.linear_int4_bf16dot.default if isa.startswith("avx512") and "avx512_bf16" in cpu_flags() else None
     return KernelLib(isa, path, how, seconds, ns.linear_bf16.default, ns.linear_fp32.default,
                      ns.linear_int8.default, ns.linear_int4.default, ns.unpack.default, ns.dequantize_int4.default,
-                     ns.linear_int8_q8.default, ns.linear_int4_q8.default, ns.int_dot.default())
+                     ns.linear_int8_q8.default, ns.linear_int4_q8.default, ns.int_dot.default(), bf16dot)
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,6 +141,15 @@ def int8_activations() -> bool:
     choice = os.environ.get("LLMRT_INT8_ACTIVATIONS", "0").lower()
     if choice not in ("0", "1", "off", "on"):
         raise ValueError(f"LLMRT_INT8_ACTIVATIONS={choice!r}: expected 1 or 0")
+    return choice in ("1", "on")
+
+
+def int4_bf16dot() -> bool:
+    """Whether int4 layers given bf16 activations use the AVX512-BF16 kernel where the CPU and build have it:
+    LLMRT_INT4_BF16DOT=1 (the default) or 0 (the float kernel, which widens each nibble to fp32)."""
+    choice = os.environ.get("LLMRT_INT4_BF16DOT", "1").lower()
+    if choice not in ("0", "1", "off", "on"):
+        raise ValueError(f"LLMRT_INT4_BF16DOT={choice!r}: expected 1 or 0")
     return choice in ("1", "on")
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn.functional as F
 
-from llmrt.kernels import int8_activations
+from llmrt.kernels import int4_bf16dot, int8_activations
 
 if TYPE_CHECKING:
     from llmrt.kernels import KernelLib
@@ -97,6 +97,8 @@ class PackedLinear:
     bias: Optional[torch.Tensor] = None
     # int8/int4: quantize activations to int8 per block of 32 and use integer dot products (LLMRT_INT8_ACTIVATIONS)
     int8_act: bool = False
+    # int4 with bf16 activations: the vdpbf16ps kernel (AVX512-BF16 CPUs; LLMRT_INT4_BF16DOT)
+    bf16dot: bool = False
 
     @classmethod
     def dense(cls, lib: "KernelLib", w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -113,8 +115,10 @@ class PackedLinear:
              in_features: int, bias: Optional[torch.Tensor] = None) -> "PackedLinear":
         """quantize_int4's output (inputs padded to the group) for a layer of `in_features` inputs."""
         data, sz = pack_int4(q, scale, zero)
+        int8_act = int8_activations()
+        bf16dot = not int8_act and lib.linear_int4_bf16dot is not None and int4_bf16dot()
         return cls(lib, "int4", q.shape[0], in_features, data, sz=sz, group_size=group_size, bias=_bias(bias),
-                   int8_act=int8_activations())
+                   int8_act=int8_act, bf16dot=bf16dot)
 
     @property
     def padded_in(self) -> int:
@@ -130,6 +134,8 @@ class PackedLinear:
         """y = x W^T + b for a 2-D float32/bfloat16 x (y in x's dtype)."""
         lib, b = self.lib, self.bias
         if self.fmt == "int4":
+            if self.bf16dot and not self.int8_act and x.dtype == torch.bfloat16:
+                return lib.linear_int4_bf16dot(x, self.data, self.sz, self.group_size, self.n, b)
             fn4 = lib.linear_int4_q8 if self.int8_act else lib.linear_int4
             return fn4(x, self.data, self.sz, self.group_size, self.n, b)
         if self.fmt == "int8":

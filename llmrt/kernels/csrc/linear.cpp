@@ -298,6 +298,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& wp, const at::Tens
 }  // namespace
 
 #include "qlinear.h"  // int8/int4 weights times int8-quantized activations (integer dot products)
+#include "int4_bf16dot.h"  // int4 weights times bf16 activations by vdpbf16ps (AVX-512 builds, AVX512-BF16 CPUs)
 
 namespace {
 
@@ -380,6 +381,10 @@ LLMRT_LIBRARY(LLMRT_NS, m) {
   m.def("linear_int4_q8(Tensor x, Tensor wp, Tensor sz, int group_size, int n, Tensor? bias) -> Tensor",
         &linear_int4_q8);
   m.def("int_dot() -> str", &int_dot);
+#if defined(LLMRT_AVX512)
+  m.def("linear_int4_bf16dot(Tensor x, Tensor wp, Tensor sz, int group_size, int n, Tensor? bias) -> Tensor",
+        &linear_int4_bf16dot);
+#endif
   m.def("unpack(Tensor wp, Tensor? scale, Tensor(a!) out) -> ()", &unpack);
   m.def("dequantize_int4(Tensor wp, Tensor sz, int group_size, Tensor(a!) out) -> ()", &dequantize_int4);
   m.def("isa() -> str", &isa);
