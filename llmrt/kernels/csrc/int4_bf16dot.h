@@ -66,6 +66,12 @@ inline void bd_tile(const Int4& l, int64_t b, const DupRows& d, int64_t m0, floa
   const uint16_t* g = l.sz + b * (l.Kp / l.gs) * NB * 2;
   const int64_t per_group = l.gs / 32;
   const __m512i magic = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000F);
+  // sz lanes: s0 z0 s1 z1 s2 z2 s3 z3 (rows 0..3); a pair's vector wants row 2 pr in lanes 0..7, 2 pr + 1 above
+  const __m512i idx_s0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i idx_z0 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m512i idx_s1 = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
+  const __m512i idx_z1 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
+  const __m512 k136 = _mm512_set1_ps(136.0f);
   __m512 tot[mb][2];
   for (int i = 0; i < mb; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
   for (int64_t gi = 0; gi < d.groups; ++gi, g += 2 * NB) {
@@ -83,11 +89,13 @@ inline void bd_tile(const Int4& l, int64_t b, const DupRows& d, int64_t m0, floa
         }
       }
     }
+    // The group's (scale, zero) of the 4 rows, 8 bf16 in one load, widened to fp32 lanes 0..7; each half of
+    // a pair's vectors then takes its row's value by one permute (with a 32-weight group this runs per chunk).
+    const __m512 sz = _mm512_castps256_ps512(_mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)g)), 16)));
     for (int pr = 0; pr < 2; ++pr) {  // lanes 0..7 belong to row 2 pr, lanes 8..15 to row 2 pr + 1
-      const float s0 = to_f(g[4 * pr]), z0 = to_f(g[4 * pr + 1]);
-      const float s1 = to_f(g[4 * pr + 2]), z1 = to_f(g[4 * pr + 3]);
-      const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
-      const __m512 o = _mm512_insertf32x8(_mm512_set1_ps(z0 - 136.0f * s0), _mm256_set1_ps(z1 - 136.0f * s1), 1);
+      const __m512 s = _mm512_permutexvar_ps(pr ? idx_s1 : idx_s0, sz);
+      const __m512 o = _mm512_fnmadd_ps(s, k136, _mm512_permutexvar_ps(pr ? idx_z1 : idx_z0, sz));  // z - 136 s
       for (int i = 0; i < mb; ++i) {
         tot[i][pr] = _mm512_fmadd_ps(acc[i][pr], s, tot[i][pr]);
         tot[i][pr] = _mm512_fmadd_ps(o, _mm512_set1_ps(d.gsum8[(m0 + i) * d.groups + gi]), tot[i][pr]);
