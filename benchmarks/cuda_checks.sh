@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The CUDA checks a session runs when it is lent a GPU (docs/cuda.md): tests/test_cuda.py and the CUDA sampler
-# test, then the quantization benchmark, `llmrt bench quality` and `llmrt bench throughput` on the card.
+# The CUDA checks a session runs when it is lent a GPU (docs/cuda.md): the CUDA tests (tests/test_cuda.py and the
+# cuda cases of the tests parametrized over devices), then the quantization benchmark, `llmrt bench quality` and `llmrt bench throughput` on the card.
 # Usage: OUT=dir bash benchmarks/cuda_checks.sh [tests|bench|micro|all]...   (results and logs land in $OUT)
-#   tests: tests/test_cuda.py; bench: benchmarks/quantization.py, bench quality, bench throughput;
+#   tests: the CUDA tests; bench: benchmarks/quantization.py, bench quality, bench throughput;
 #   micro: benchmarks/fp8_gemm.py (fp8 vs bf16 layers) and benchmarks/cuda_profile.py (where a step's time goes)
 # On a machine without internet, the Python packages its image lacks are installed from ./.whl first
 # (wheels downloaded where pip works; docs/cuda.md lists them).
@@ -29,7 +29,7 @@ fi
 if has tests; then
   # The CPU references inside the tests use torch's ops: building llmrt's CPU kernels there costs device time.
   LLMRT_KERNELS=0 LLMRT_FUSED=0 LLMRT_ATTENTION_KERNEL=0 timeout 150 python3 -m pytest -q -rA -p no:cacheprovider \
-    tests/test_cuda.py "tests/test_sampler.py::test_cuda_seeded_matches_itself_and_greedy" 2>&1 \
+    tests/test_cuda.py tests/test_models.py tests/test_quantization.py tests/test_sampler.py -k cuda 2>&1 \
     | tee "$OUT/cuda-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | tail -80
 fi
 
@@ -64,7 +64,8 @@ fi
 
 if has attn; then  # the attention-backend change: correctness against HF, then W1 beside HF generate
   LLMRT_KERNELS=0 LLMRT_FUSED=0 LLMRT_ATTENTION_KERNEL=0 timeout 60 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_cuda.py -k "greedy_batch or swap_and_prefix or speculative or served" 2>&1 | tail -3
+    tests/test_models.py tests/test_quantization.py tests/test_cuda.py \
+    -k "cuda and (greedy_batch or swap_and_prefix or speculative or served)" 2>&1 | tail -3
   timeout 100 python3 -m llmrt.cli bench throughput --random-model 110m --device cuda --dtype bfloat16 \
     --hf-batch-sizes 64 --name throughput-random-110m-bfloat16-h200-flash 2>&1 | tail -12
   cp benchmarks/throughput-random-110m-bfloat16-h200-flash.* "$OUT/" 2>/dev/null

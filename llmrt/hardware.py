@@ -256,12 +256,12 @@ def _cpu_support(fmt: str, flags: frozenset[str]) -> tuple[str, str]:
         return EMULATED, (f"no {fmt} arithmetic on this CPU: weights stay {fmt} (half the bytes) and matmuls of 3+ "
                           "rows run in float32 (emulated half matmuls are 3-5x slower than float32)")
     if fmt in ("int8", "int4"):
-        from llmrt.kernels import max_rows
+        from llmrt.kernels import has_int4_bf16dot, max_rows
 
         ours = kernel_isa(flags)
         if ours:
-            bf16dot = (" (int4 with bf16 activations: vdpbf16ps)" if fmt == "int4" and ours.startswith("avx512")
-                       and "avx512_bf16" in flags else "")
+            bf16dot = " (int4 with bf16 activations: vdpbf16ps)" if fmt == "int4" and has_int4_bf16dot(ours, flags) \
+                else ""
             return NATIVE, (f"weight-only {fmt}: llmrt's {ours} kernel{bf16dot} (weights packed at load) for steps of "
                             f"up to {max_rows(ours, fmt)} rows, dequantized to the compute dtype above (torch's packed "
                             "kernels where ours cannot be built); the LM head int8 unless --lm-head-quantization none "

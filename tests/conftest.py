@@ -14,6 +14,29 @@ HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 NO_COMPILER = "no C++ compiler here: only torch's paths exist"
 requires_compiler = pytest.mark.skipif(not HAS_COMPILER, reason=NO_COMPILER)
 
+# Tests parametrized over DEVICES run on CUDA too where a GPU is (CI has none: the cuda cases skip there).
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+needs_fp8 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                               reason="fp8 matmuls need CUDA sm_89+")
+
+
+def on_device(device: str) -> dict:
+    """LLM options that put an engine on `device`; on CUDA a 5% share of the card, so several engines fit."""
+    return {"device": device} if device == "cpu" else {"device": device, "gpu_memory_utilization": 0.05}
+
+
+def repeating_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts with repeated stretches (so n-grams recur) of mixed lengths: speculative decoding's workload."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(3, 512) for _ in range(rng.randint(3, 8))]
+        out.append([rng.randrange(3, 512) for _ in range(rng.randint(1, 10))] + motif * rng.randint(2, 5))
+    return out
+
 EMBEDDED = Path(__file__).resolve().parents[1] / "llmrt" / "data" / "stories260K"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

@@ -1,7 +1,9 @@
-"""The engine on a CUDA device: every architecture against HF, bf16, fp8 weights (both scaling modes), int8/int4,
-8-bit KV caches through swap and prefix reuse, speculative decoding, the memory plan, and a served request.
+"""The engine on a CUDA device: logits against the CPU's, bf16, fp8 weights (both scaling modes), int8/int4 and the
+8-bit KV caches, speculative decoding, the memory plan, engines sharing the card, and a served request. Tests that
+are the same on every device are parametrized over conftest.DEVICES where they live (greedy tokens against HF in
+test_models, swap and prefix reuse in test_quantization).
 
-CI has no GPU, so this module skips there; sessions lent one run it there (docs/cuda.md says how)."""
+CI has no GPU, so these skip there; sessions lent one run them with benchmarks/cuda_checks.sh (docs/cuda.md)."""
 from __future__ import annotations
 
 import gc
@@ -15,17 +17,14 @@ from llmrt.bench.quality import DEFAULT_TEXT, perplexity, quality_of, teacher_fo
 from llmrt.config import ModelConfig
 from llmrt.engine.llm import LLM
 from llmrt.engine.memory_plan import plan_memory
-from llmrt.model.layers.linear import Linear
-from llmrt.model.quantization.fp8 import Fp8Config, quantize_fp8
 from llmrt.sampling_params import SamplingParams
-from tests.conftest import ARCH_CONFIGS
-from tests.fp8_reference import emulated_scaled_mm
+from tests.conftest import ARCH_CONFIGS, needs_cuda, needs_fp8, on_device, repeating_prompts
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = needs_cuda
 
 ARCHS = list(ARCH_CONFIGS)
 CUDA = "cuda"
-SMALL = dict(device=CUDA, gpu_memory_utilization=0.05)  # several engines share the card within one test
+SMALL = on_device(CUDA)  # several engines share the card within one test
 
 
 @pytest.fixture(autouse=True)
@@ -41,40 +40,7 @@ def _tokens(n: int, seed: int, lo: int = 4, hi: int = 500) -> list[int]:
     return [rng.randrange(lo, hi) for _ in range(n)]
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randint(2, 45))] for _ in range(n)]
-
-
-def _fp8_capable() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-
-
-needs_fp8 = pytest.mark.skipif(not _fp8_capable(), reason="fp8 matmuls need CUDA sm_89+")
-
-
-# -- the unquantized model --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_batch_matches_hf_on_cuda(arch, checkpoints):
-    from transformers import AutoModelForCausalLM
-
-    prompts = _prompts(8, seed=2)
-    llm = LLM(str(checkpoints[arch]), dtype="float32", block_size=4, max_num_batched_tokens=24, max_num_seqs=8,
-              **SMALL)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
-    hf = AutoModelForCausalLM.from_pretrained(checkpoints[arch], dtype=torch.float32).to(CUDA).eval()
-    hf.generation_config.eos_token_id = None
-    for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            ids = torch.tensor([prompt], device=CUDA)
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                              do_sample=False)[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == ref, f"{arch}: prompt of {len(prompt)} tokens diverged"
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    assert llm.engine.config.device.startswith("cuda")
-
-
+# -- the unquantized model (greedy tokens against HF: test_models, parametrized over DEVICES) -----------------
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_and_bf16_on_cuda(arch, checkpoints):
     """float32 on the card equals float32 on the CPU up to summation order; bf16 tracks it as on CPUs."""
@@ -88,33 +54,7 @@ def test_logits_and_bf16_on_cuda(arch, checkpoints):
 
 
 # -- fp8 weights ------------------------------------------------------------------------------------------------
-@needs_fp8
-@pytest.mark.parametrize("mode", ["rowwise", "tensorwise"])
-@pytest.mark.parametrize("rows", [1, 7, 33])
-def test_fp8_linear_is_scaled_mm_of_the_quantized_operands(mode, rows):
-    """Against a float32 emulation of the same e4m3 operands: padded odd sizes (172 in, 200 out), a bias, both
-    ways of applying the scales."""
-    torch.manual_seed(0)
-    layer = Linear(172, [120, 80], bias=True, quant_config=Fp8Config(mode)).to(CUDA)
-    w, b = torch.randn(200, 172), torch.randn(200)
-    layer.weight.data.copy_(w)
-    layer.bias.data.copy_(b)
-    layer.method.process_weights_after_loading(layer)
-    assert layer.qweight.dtype == torch.float8_e4m3fn and tuple(layer.qweight.shape) == (176, 208)
-    x = torch.randn(rows, 172)
-    y = layer(x.to(CUDA)).cpu()
-    assert y.shape == (rows, 200)
-    xp = torch.nn.functional.pad(x, (0, 4))
-    xs = xp.abs().amax(1, keepdim=True) / 448
-    wq, ws = quantize_fp8(torch.nn.functional.pad(w, (0, 4, 0, 8)))
-    want = emulated_scaled_mm((xp / xs).to(torch.float8_e4m3fn), wq.t(), xs, ws[None, :])[:, :200] + b
-    # Within 2^-8 of each row's largest value: rowwise writes bf16 before the bias, and Hopper's fp8 tensor cores
-    # sum in fewer bits than float32 (seen on the H200: tensorwise's float32 output is ~1e-3 off an exact sum).
-    assert ((y - want).abs() <= 2 ** -8 * want.abs().amax(1, keepdim=True) + 1e-3).all(), (y - want).abs().max()
-    exact = x @ w.t() + b  # and the quantization itself: 3 mantissa bits on both operands
-    assert (y - exact).abs().max() <= 0.1 * exact.abs().max()
-
-
+# (the fp8 layer against the emulated _scaled_mm: test_quantization, on CPU and CUDA)
 @needs_fp8
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fp8_tracks_the_unquantized_model(arch, checkpoints):
@@ -183,24 +123,7 @@ def test_int8_int4_and_8bit_kv_on_cuda(arch, checkpoints):
     assert int8.mean_kl < fp8.mean_kl, (arch, int8, fp8)
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
-def test_kv_survives_swap_and_prefix_reuse_on_cuda(embedded_model_dir, kv):
-    """Blocks swapped to pinned host memory and back, and prefix-cache hits, read the same rows and scales."""
-    params = SamplingParams(max_tokens=40, temperature=0)
-    prompts = ["Once upon a time, there was a little dog", "Once upon a time, there was a little cat",
-               "One day, Lily went to the park", "The sun was shining and"]
-    roomy = LLM(kv_cache_dtype=kv, num_gpu_blocks_override=200, block_size=4, device=CUDA)
-    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
-    tight = LLM(kv_cache_dtype=kv, num_gpu_blocks_override=30, block_size=4, preemption_mode="swap",
-                swap_space=64 << 20, device=CUDA)
-    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
-    assert tight.engine.scheduler.num_preemptions_total > 0
-    assert got == want
-    again = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
-    assert again == want
-    assert roomy.engine.stats().prefix_cache_hit_tokens > 0
-
-
+# (swap to pinned host memory and prefix reuse: test_quantization.test_kv_survives_swap_and_prefix_reuse)
 def test_8bit_kv_doubles_the_blocks_on_cuda(embedded_model_dir):
     base = LLM(dtype="bfloat16", **SMALL)
     for kv in ("int8", "fp8"):
@@ -208,18 +131,11 @@ def test_8bit_kv_doubles_the_blocks_on_cuda(embedded_model_dir):
         # head_dim 8: 16 B of bf16 per token and head against 8 + 4 B
         assert q.engine.memory.kv_bytes_per_token * 16 == base.engine.memory.kv_bytes_per_token * 12
         assert q.engine.memory.num_blocks >= base.engine.memory.num_blocks * 1.3
-        del q
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 # -- the rest of the engine ----------------------------------------------------------------------------------------
 def test_speculative_decoding_keeps_greedy_outputs_on_cuda(checkpoints):
-    rng = random.Random(11)  # prompts with repeated stretches, so n-grams recur
-    prompts = []
-    for _ in range(6):
-        motif = [rng.randrange(3, 512) for _ in range(rng.randint(3, 8))]
-        prompts.append([rng.randrange(3, 512) for _ in range(rng.randint(1, 10))] + motif * rng.randint(2, 5))
+    prompts = repeating_prompts(6, seed=11)
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     base = dict(dtype="float32", block_size=4, max_num_batched_tokens=32, max_num_seqs=8, **SMALL)
     ref = LLM(str(checkpoints["llama3"]), **base).generate(prompts, greedy)
@@ -230,8 +146,6 @@ def test_speculative_decoding_keeps_greedy_outputs_on_cuda(checkpoints):
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref], spec
         st = llm.engine.stats()
         assert sum(st.spec_accepted_by_position) > 0
-        del llm
-        gc.collect()
 
 
 def test_seeded_sampling_is_batch_invariant_on_cuda(checkpoints):
@@ -259,7 +173,7 @@ def test_served_on_cuda():
 
     from tests.server_utils import run_server
 
-    quant = ("--quantization", "fp8") if _fp8_capable() else ()
+    quant = ("--quantization", "fp8") if torch.cuda.get_device_capability() >= (8, 9) else ()
     with run_server(None, "--device", "cuda", "--gpu-memory-utilization", "0.05", "--kv-cache-dtype", "fp8",
                     "--dtype", "bfloat16", *quant) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="x")

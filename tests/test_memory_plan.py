@@ -91,3 +91,16 @@ def test_plan_counts_the_dense_weight_copy(checkpoints):
     assert plans["auto"].weights_bytes == plans["on"].weights_bytes  # a tiny model in 16 GiB keeps them
     small = plan_memory(hf, memory_bytes=extra * 4, dtype=torch.float32, dense_weight_copy="auto")
     assert small.weights_bytes == plans["off"].weights_bytes
+
+
+def test_kv_budget_takes_no_more_than_is_free():
+    """The share the utilization allows, less other processes' use; capped by what is free now (another engine of
+    the process holding its own share), less the activations and a margin for the allocator."""
+    from llmrt.engine.memory_plan import FREE_MARGIN, kv_budget_bytes
+
+    gib = 1 << 30
+    share = kv_budget_bytes(100 * gib, 0.5, 2 * gib, gib, used_elsewhere=gib)
+    assert share == 46 * gib
+    assert kv_budget_bytes(100 * gib, 0.5, 2 * gib, gib, gib, free=90 * gib) == share  # room: the share
+    capped = kv_budget_bytes(100 * gib, 0.5, 2 * gib, gib, gib, free=40 * gib)  # a live engine holds 50 GiB
+    assert capped == int(40 * gib * (1 - FREE_MARGIN)) - gib < share

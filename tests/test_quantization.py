@@ -17,7 +17,7 @@ from llmrt.hardware import EMULATED, NATIVE, UNSUPPORTED, check_formats, format_
 from llmrt.model.quantization.int4 import dequantize_int4, pack_nibbles, quantize_int4
 from llmrt.model.quantization.int8 import quantize_int8
 from llmrt.sampling_params import SamplingParams
-from tests.conftest import ARCH_CONFIGS, requires_compiler
+from tests.conftest import ARCH_CONFIGS, DEVICES, needs_fp8, requires_compiler
 
 ARCHS = list(ARCH_CONFIGS)
 CPU = torch.device("cpu")
@@ -226,20 +226,23 @@ def test_engine_allocation_matches_plan_with_int8_kv(embedded_model_dir):
     assert "int8 + float32 scale" in llm.engine.memory.describe()
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8"])
-def test_8bit_kv_survives_swap_and_prefix_reuse(embedded_model_dir, kv):
-    """Preempted-and-swapped sequences and prefix-cache hits read back the same 8-bit rows and scales."""
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
+def test_kv_survives_swap_and_prefix_reuse(embedded_model_dir, kv, device):
+    """Preempted-and-swapped sequences (pinned host memory on CUDA) and prefix-cache hits read back the same rows
+    (and 8-bit scales)."""
     params = SamplingParams(max_tokens=40, temperature=0)
     prompts = ["Once upon a time, there was a little dog", "Once upon a time, there was a little cat",
                "One day, Lily went to the park", "The sun was shining and"]
-    roomy = LLM(kv_cache_dtype=kv, num_gpu_blocks_override=200, block_size=4)
+    roomy = LLM(kv_cache_dtype=kv, num_gpu_blocks_override=200, block_size=4, device=device)
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
-    tight = LLM(kv_cache_dtype=kv, num_gpu_blocks_override=30, block_size=4, preemption_mode="swap")
+    tight = LLM(kv_cache_dtype=kv, num_gpu_blocks_override=30, block_size=4, preemption_mode="swap",
+                swap_space=64 << 20, device=device)
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
     assert tight.engine.scheduler.num_preemptions_total > 0  # the tight cache did preempt
     assert got == want
     again = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]  # prefix-cache hits
-    assert again == want
+    assert again == want and roomy.engine.stats().prefix_cache_hit_tokens > 0
 
 
 def test_version_endpoint_reports_the_formats():
@@ -296,3 +299,40 @@ def test_gguf_lm_head_follows_the_file(tmp_path):
     from tests.test_gguf import SHARED_GGUF
 
     assert ModelConfig(str(SHARED_GGUF), quantization="int8").lm_head_quantization == "none"  # all F32
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_fp8)])
+@pytest.mark.parametrize("mode", ["rowwise", "tensorwise"])
+def test_fp8_method_against_the_emulated_scaled_mm(mode, device, monkeypatch):
+    """The fp8 layer against a float32 emulation of torch._scaled_mm on the same e4m3 operands
+    (tests/fp8_reference.py): odd sizes padded to 16s, per-token activation scales, both ways of applying the
+    scales, the bias, 1-row and 3-D inputs. On CPUs (no fp8 matmuls) the emulation stands in for _scaled_mm, so
+    this checks the method's own logic; on CUDA sm_89+ the tensor cores run it."""
+    import torch.nn.functional as F
+
+    from llmrt.model.layers.linear import Linear
+    from llmrt.model.quantization.fp8 import Fp8Config, quantize_fp8
+    from tests.fp8_reference import emulated_scaled_mm
+
+    if device == "cpu":
+        monkeypatch.setattr(torch, "_scaled_mm", emulated_scaled_mm)
+    torch.manual_seed(0)
+    layer = Linear(172, [120, 80], bias=True, quant_config=Fp8Config(mode)).to(device)
+    w, b = torch.randn(200, 172), torch.randn(200)
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(b)
+    layer.method.process_weights_after_loading(layer)
+    assert layer.qweight.dtype == torch.float8_e4m3fn and tuple(layer.qweight.shape) == (176, 208)
+    wq, ws = quantize_fp8(F.pad(w, (0, 4, 0, 8)))
+    # Within 2^-8 of each row's largest value where rowwise writes bf16 before the bias, and on Hopper's fp8
+    # tensor cores, which sum in fewer bits than float32 (the H200's tensorwise float32 output: ~1e-3 off).
+    tol = 1e-5 if device == "cpu" and mode == "tensorwise" else 2 ** -8
+    for x in (torch.randn(1, 172), torch.randn(2, 5, 172)):
+        y = layer(x.to(device)).cpu()
+        assert y.shape == (*x.shape[:-1], 200)
+        got, x2 = y.reshape(-1, 200), F.pad(x.reshape(-1, 172), (0, 4))
+        xs = x2.abs().amax(1, keepdim=True) / 448
+        want = emulated_scaled_mm((x2 / xs).to(torch.float8_e4m3fn), wq.t(), xs, ws[None, :])[:, :200] + b
+        assert ((got - want).abs() <= tol * want.abs().amax(1, keepdim=True) + 1e-3).all(), (got - want).abs().max()
+        exact = x.reshape(-1, 172) @ w.t() + b
+        assert (got - exact).abs().max() <= 0.1 * exact.abs().max()  # 3 mantissa bits on both operands

@@ -4,14 +4,13 @@ structured output and stop conditions."""
 from __future__ import annotations
 
 import json
-import random
 from collections import Counter
 
 import jsonschema
 import pytest
 import torch
 
-from conftest import ARCH_CONFIGS, build_checkpoint
+from conftest import ARCH_CONFIGS, build_checkpoint, repeating_prompts
 from llmrt import LLM, SamplingParams, StructuredOutputs
 from llmrt.errors import InvalidRequestError, UnsupportedError
 from llmrt.spec_decode import rejection
@@ -20,14 +19,7 @@ ARCHS = list(ARCH_CONFIGS)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0)
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    """Prompts with repeated stretches (so n-grams recur) of mixed lengths."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        motif = [rng.randrange(3, 512) for _ in range(rng.randint(3, 8))]
-        out.append([rng.randrange(3, 512) for _ in range(rng.randint(1, 10))] + motif * rng.randint(2, 5))
-    return out
+_prompts = repeating_prompts
 
 
 def _generate(path, prompts, params=GREEDY, **options):

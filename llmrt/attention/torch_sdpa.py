@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmrt.attention.base import AttentionBackend, register_attention_backend
 from llmrt.attention.kv_quant import dequantize_kv, is_quantized, quantize_kv
@@ -167,18 +166,18 @@ class TorchAttentionBackend(AttentionBackend):
         return o.squeeze(2)
 
 
-# On CUDA, torch may pick cuDNN's attention, which builds an execution plan for every new shape: prefill spans
-# of many lengths cost 6 ms of host time per call on the H200, 89% of a W1-like run's wall time, and cached
-# decode shapes 0.14 ms (benchmarks/cuda-profile-NVIDIA-H200.txt). Flash and memory-efficient attention take
-# any length with no plan to build; MATH is the fallback for inputs neither takes.
-_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """torch SDPA; on CUDA without cuDNN's backend (see above)."""
-    if q.is_cuda:
-        with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+    """torch SDPA; on CUDA without cuDNN's backend, which builds an execution plan for every new shape: prefill
+    spans of many lengths cost 6 ms of host time per call on the H200, 89% of a W1-like run's wall time, and
+    cached decode shapes 0.14 ms (benchmarks/cuda-profile-NVIDIA-H200.txt); flash and memory-efficient attention
+    take any length with no plan. The flag is switched around the call (0.26 us; torch's sdpa_kernel context
+    takes 12.5 us, 24 times a step) and restored, so other code in the process keeps its choice."""
+    if q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        try:
             return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(True)
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 

@@ -81,10 +81,17 @@ def parameter_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+FREE_MARGIN = 0.03  # of the memory free now, left to the allocator's rounding
+
+
 def kv_budget_bytes(device_total: int, utilization: float, weights: int, activation: int,
-                    used_elsewhere: int = 0) -> int:
-    """Bytes left for KV blocks on a device: its usable share minus weights, activations and other use."""
-    return int(device_total * utilization) - weights - activation - used_elsewhere
+                    used_elsewhere: int = 0, free: Optional[int] = None) -> int:
+    """Bytes left for KV blocks on a device: its usable share minus weights, activations and other use; with
+    `free` (what the device has free now, weights already loaded), never more than that less the activations and
+    a margin: another engine of the process may hold its own share, and fewer blocks or a clear out-of-memory
+    error beat a failed allocation."""
+    budget = int(device_total * utilization) - weights - activation - used_elsewhere
+    return budget if free is None else min(budget, int(free * (1 - FREE_MARGIN)) - activation)
 
 
 def num_kv_blocks(budget_bytes: int, kv_bytes_per_token: int, block_size: int) -> int:

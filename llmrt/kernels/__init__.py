@@ -91,9 +91,14 @@ def build_dir(isa: str) -> Path:
     return build.build_dir("kernels", f"llmrt_kernels_{isa}", sorted(CSRC.iterdir()), _cflags(isa))
 
 
+def has_int4_bf16dot(isa: str, flags: frozenset[str]) -> bool:
+    """Whether `isa`'s build runs int4 x bf16 by vdpbf16ps on a CPU with `flags` (AVX-512 builds, AVX512-BF16)."""
+    return isa.startswith("avx512") and "avx512_bf16" in flags
+
+
 def _ops(isa: str, path: Path, how: str, seconds: float) -> KernelLib:
     ns = getattr(torch.ops, f"llmrt_{isa}")
-    bf16dot = ns.linear_int4_bf16dot.default if isa.startswith("avx512") and "avx512_bf16" in cpu_flags() else None
+    bf16dot = ns.linear_int4_bf16dot.default if has_int4_bf16dot(isa, cpu_flags()) else None
     return KernelLib(isa, path, how, seconds, ns.linear_bf16.default, ns.linear_fp32.default,
                      ns.linear_int8.default, ns.linear_int4.default, ns.unpack.default, ns.dequantize_int4.default,
                      ns.linear_int8_q8.default, ns.linear_int4_q8.default, ns.int_dot.default(), bf16dot)

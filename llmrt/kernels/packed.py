@@ -97,7 +97,7 @@ class PackedLinear:
     bias: Optional[torch.Tensor] = None
     # int8/int4: quantize activations to int8 per block of 32 and use integer dot products (LLMRT_INT8_ACTIVATIONS)
     int8_act: bool = False
-    # int4 with bf16 activations: the vdpbf16ps kernel (AVX512-BF16 CPUs; LLMRT_INT4_BF16DOT)
+    # int4 with bf16 activations: the vdpbf16ps kernel (AVX512-BF16 CPUs; LLMRT_INT4_BF16DOT), unless int8_act
     bf16dot: bool = False
 
     @classmethod
@@ -115,10 +115,8 @@ class PackedLinear:
              in_features: int, bias: Optional[torch.Tensor] = None) -> "PackedLinear":
         """quantize_int4's output (inputs padded to the group) for a layer of `in_features` inputs."""
         data, sz = pack_int4(q, scale, zero)
-        int8_act = int8_activations()
-        bf16dot = not int8_act and lib.linear_int4_bf16dot is not None and int4_bf16dot()
         return cls(lib, "int4", q.shape[0], in_features, data, sz=sz, group_size=group_size, bias=_bias(bias),
-                   int8_act=int8_act, bf16dot=bf16dot)
+                   int8_act=int8_activations(), bf16dot=lib.linear_int4_bf16dot is not None and int4_bf16dot())
 
     @property
     def padded_in(self) -> int:

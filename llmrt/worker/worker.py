@@ -73,10 +73,7 @@ class Worker:
             free, total = device_memory_free_total(self.device)
             # What this process's allocator does not hold: other processes and the CUDA context.
             used_elsewhere = max(0, total - free - torch.cuda.memory_reserved(self.device))
-            # ... and never more than is free now, less 3% for the allocator's rounding (another engine of this
-            # process holds its share): fewer blocks or a clear out-of-memory error, not a failed allocation.
-            budget = min(kv_budget_bytes(total, cc.gpu_memory_utilization, weights, activation, used_elsewhere),
-                         int(free * 0.97) - activation)
+            budget = kv_budget_bytes(total, cc.gpu_memory_utilization, weights, activation, used_elsewhere, free)
             num_blocks = num_kv_blocks(budget, per_token, self.block_size)
         else:
             budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_BYTES

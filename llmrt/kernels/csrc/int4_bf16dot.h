@@ -20,7 +20,7 @@
 
 namespace {
 
-constexpr int BD_MB = 4;  // activation rows per tile: 2 x 4 accumulators + 2 x 4 group sums
+constexpr int BD_MB = 4;  // activation rows per tile: 2 x 4 group accumulators + 2 x 4 totals
 
 // x (bf16 [M, K]) as each chunk's halves duplicated: per row and chunk, [x0..15, x0..15, x16..31, x16..31]
 // (64 bf16), so one load gives the activations for two weight rows' lanes; inputs past K are zero. Also each
@@ -118,18 +118,9 @@ at::Tensor linear_int4_bf16dot(const at::Tensor& x, const at::Tensor& wp, const 
   TORCH_CHECK((n + NB - 1) / NB == blocks && K <= l.Kp && K > l.Kp - group_size, "llmrt kernels: x ", x.sizes(),
               " or n ", n, " does not match the packed int4 matrix ", wp.sizes());
   at::Tensor y = at::empty({M, n}, x.options());
-  Sink sink;
-  sink.ld = sink.N = n;
-  sink.bf16 = y.data_ptr<c10::BFloat16>();
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "llmrt kernels: bias must be contiguous float32 [", n, "]");
-    sink.bias = bias->data_ptr<float>();
-  }
+  const Sink sink = sink_for(y, bias);
   const DupRows d = dup_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, l.Kp, group_size);
-  const int64_t block_bytes = NB * (l.Kp / 2 + l.Kp / group_size * 4);
-  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / block_bytes);
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, block_grain(NB * (l.Kp / 2 + l.Kp / group_size * 4)), [&](int64_t b0, int64_t b1) {
     float out[BD_MB][NB];
     for (int64_t b = b0; b < b1; ++b) {
       int64_t m0 = 0;

@@ -182,13 +182,16 @@ inline void rows_of_block(const L& l, int64_t lb, int64_t b, const float* x, int
   if (r) sink.put(m0, r, b, out);
 }
 
+// Blocks per parallel task: enough weight bytes that a thread's start-up (a few microseconds) is paid back.
+inline int64_t block_grain(int64_t block_bytes) {
+  return std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, block_bytes));
+}
+
 // All M rows times every block, the blocks split into one contiguous range per intra-op thread.
 template <typename L>
 void for_all_blocks(const L& l, int64_t M, int64_t blocks, int64_t block_bytes, const float* x, int64_t ldx,
                     const Sink& sink) {
-  // Enough weight bytes per task that a thread's start-up (a few microseconds) is paid back.
-  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, block_bytes));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, block_grain(block_bytes), [&](int64_t b0, int64_t b1) {
     if (M <= MB) {
       for (int64_t b = b0; b < b1; ++b) rows_of_block(l, b, b, x, ldx, M, sink);
       return;
@@ -222,6 +225,21 @@ Activations activations(const at::Tensor& x, int64_t Kp) {
   return {xf, xf.data_ptr<float>(), Kp};
 }
 
+// Where y [M, n] (float32 or bfloat16) and the bias go: the bias float32 [n], converted once at load (packed.py).
+Sink sink_for(const at::Tensor& y, const c10::optional<at::Tensor>& bias) {
+  Sink sink;
+  const int64_t n = y.size(1);
+  sink.ld = sink.N = n;
+  if (y.scalar_type() == at::kFloat) sink.f32 = y.data_ptr<float>();
+  else sink.bf16 = y.data_ptr<c10::BFloat16>();
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "llmrt kernels: bias must be contiguous float32 [", n, "]");
+    sink.bias = bias->data_ptr<float>();
+  }
+  return sink;
+}
+
 // The packed matrix's shape checks; returns (blocks, Kp) and the output with its sink.
 struct Call {
   Activations a;
@@ -239,14 +257,7 @@ Call prepare_call(const at::Tensor& x, const at::Tensor& wp, int64_t elems_per_r
   TORCH_CHECK(x.dim() == 2 && x.size(1) <= Kp && x.size(1) > Kp - kc, "llmrt kernels: x ", x.sizes(),
               " does not match in_features padded to ", Kp);
   Call c{activations(x, Kp), at::empty({x.size(0), n}, x.options()), {}, blocks, Kp};
-  c.sink.ld = c.sink.N = n;
-  if (c.y.scalar_type() == at::kFloat) c.sink.f32 = c.y.data_ptr<float>();
-  else c.sink.bf16 = c.y.data_ptr<c10::BFloat16>();
-  if (bias.has_value() && bias->defined()) {  // converted once at load (packed.py), not per call
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "llmrt kernels: bias must be contiguous float32 [", n, "]");
-    c.sink.bias = bias->data_ptr<float>();
-  }
+  c.sink = sink_for(c.y, bias);
   return c;
 }
 

@@ -55,6 +55,7 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         if mode is not None and mode not in SCALING_MODES:
             raise ValueError(f"fp8 scaling mode {mode!r}: expected one of {SCALING_MODES}")
         self.mode = mode  # None: scaling_mode(device) at load
+        self.one: Optional[torch.Tensor] = None  # tensor-wise mode's unit scale, made at load
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         w = layer.weight.data
@@ -67,20 +68,21 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         del layer.weight
         layer.qweight = nn.Parameter(q.t(), requires_grad=False)  # [Kp, Np], column-major
         layer.weight_scale = nn.Parameter(scale[None, :], requires_grad=False)  # [1, Np]
-        layer.fp8_padded_in = kp
+        # tensor-wise _scaled_mm takes its (unit) scales as tensors: one, made here rather than per call
+        self.one = torch.ones((), dtype=torch.float32, device=w.device) if self.mode == "tensorwise" else None
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if layer.fp8_padded_in != shape[-1]:
-            x2 = F.pad(x2, (0, layer.fp8_padded_in - shape[-1]))
+        padded_in = layer.qweight.shape[0]
+        if padded_in != shape[-1]:
+            x2 = F.pad(x2, (0, padded_in - shape[-1]))
         xq, x_scale = _quantize_rows(x2)
         if self.mode == "rowwise":  # scales applied in the kernel's epilogue; this mode writes bf16
             y = torch._scaled_mm(xq, layer.qweight, scale_a=x_scale, scale_b=layer.weight_scale,
                                  out_dtype=torch.bfloat16)
         else:
-            one = _one(x.device)
-            y = torch._scaled_mm(xq, layer.qweight, scale_a=one, scale_b=one, out_dtype=torch.float32)
+            y = torch._scaled_mm(xq, layer.qweight, scale_a=self.one, scale_b=self.one, out_dtype=torch.float32)
             y = y * x_scale * layer.weight_scale
         n = layer.out_features
         y = (y[:, :n] if y.shape[1] != n else y).to(x.dtype)
@@ -98,17 +100,6 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True, dtype=torch.float32)
     scale.div_(E4M3_MAX).clamp_(min=1e-12)
     return (x / scale).to(torch.float8_e4m3fn), scale
-
-
-_ONES: dict[torch.device, torch.Tensor] = {}
-
-
-def _one(device: torch.device) -> torch.Tensor:
-    """A float32 scalar 1 on `device`, made once (tensor-wise _scaled_mm takes its scales as tensors)."""
-    t = _ONES.get(device)
-    if t is None:
-        t = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
-    return t
 
 
 class Fp8Config(QuantizationConfig):
