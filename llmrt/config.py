@@ -304,6 +304,8 @@ class EngineConfig:
     formats: list = field(default_factory=list, init=False, repr=False)  # hardware.FormatSupport, set below
     # Batch-invariant numerics: a request's logits do not depend on what shares its steps (docs/determinism.md).
     deterministic: bool = False
+    # Every step through the model's Python: no step graphs (llmrt/worker/step_graph.py), as vLLM's flag.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.deterministic:
@@ -391,6 +393,7 @@ class EngineConfig:
         device = kwargs.pop("device", None) or "auto"
         attention_backend = kwargs.pop("attention_backend", None) or "auto"
         deterministic = bool(kwargs.pop("deterministic", False))
+        enforce_eager = bool(kwargs.pop("enforce_eager", False))
         if "scheduling_policy" in kwargs:
             kwargs["policy"] = kwargs.pop("scheduling_policy")
         for key, value in kwargs.items():
@@ -405,7 +408,8 @@ class EngineConfig:
         model_cfg = ModelConfig(model=model or os.environ.get("LLMRT_MODEL", ""), **parts["model"])
         return cls(model=model_cfg, cache=CacheConfig(**parts["cache"]), scheduler=SchedulerConfig(**parts["scheduler"]),
                    parallel=ParallelConfig(**parts["parallel"]), speculative=SpeculativeConfig(**parts["speculative"]),
-                   device=device, attention_backend=attention_backend, deterministic=deterministic)
+                   device=device, attention_backend=attention_backend, deterministic=deterministic,
+                   enforce_eager=enforce_eager)
 
 
 @dataclass

@@ -49,6 +49,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "its steps, however its prompt is chunked and whether its prefix was cached (fixed-size "
                         "matmul row tiles, the batch_invariant attention backend); costs throughput "
                         "(docs/determinism.md)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run every step through the model's Python: no step graphs (decode steps recorded once per "
+                        "batch size and replayed from C++ on CPU, docs/performance.md)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--block-size", type=int, default=default_of(c, "block_size"),
@@ -155,7 +158,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "verifying costs real work (default: %(default)s)")
 
 
-_ENGINE_KEYS = ("dtype", "device", "attention_backend", "deterministic", "max_model_len", "block_size",
+_ENGINE_KEYS = ("dtype", "device", "attention_backend", "deterministic", "enforce_eager", "max_model_len", "block_size",
                 "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
                 "scheduling_policy", "short_first_aging_steps", "enable_prefix_caching", "preemption_mode",
                 "swap_space", "kv_watermark", "quantization", "quant_group_size", "lm_head_quantization", "dense_weight_copy", "kv_cache_dtype", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",

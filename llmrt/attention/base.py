@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
 
@@ -28,6 +28,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """This backend's metadata for one step; built once, shared by every layer."""
+
+    def graph_inputs(self, meta: Any, kv_cache_dtype: torch.dtype,
+                     compute_dtype: torch.dtype) -> Optional[list[torch.Tensor]]:
+        """For a step a recording may replay (llmrt/worker/step_graph.py): the metadata's tensors that change from
+        step to step, everything else in it fixed for the batch size. None (the default): this step's attention
+        depends on Python values of the metadata (shapes, lengths), so it must run eagerly."""
+        return None
 
     @abstractmethod
     def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:

@@ -99,6 +99,14 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
                 meta.decode_context_lens, layer.scale, layer.sliding_window or 0)
         return super().forward(layer, q, k, v, meta)
 
+    def graph_inputs(self, meta: TorchAttentionMetadata, kv_cache_dtype: torch.dtype,
+                     compute_dtype: torch.dtype) -> Optional[list[torch.Tensor]]:
+        """A decode-only step of float q over float caches is one `decode_write` a layer, given the slots, tables
+        and lengths (the tables' width may change from step to step: the kernel reads their stride)."""
+        if not meta.num_decodes or meta.prefills or kv_cache_dtype not in _FLOAT or compute_dtype not in _FLOAT:
+            return None
+        return [meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens]
+
     def _write(self, layer: "Attention", k: torch.Tensor, v: torch.Tensor, meta: TorchAttentionMetadata,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         k_cache = layer.k_cache

@@ -7,6 +7,7 @@ a later process only calls `torch.ops.load_library` (milliseconds) and never imp
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -14,6 +15,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Sequence
 
 import torch
@@ -46,14 +48,16 @@ def build_dir(kind: str, name: str, files: Sequence[Path], cflags: Sequence[str]
 
 
 def load_or_compile(kind: str, name: str, sources: Sequence[Path], cflags: Sequence[str],
-                    headers: Sequence[Path] = ()) -> Build:
-    """Load `name`'s cached build into torch.ops, compiling it first if there is none. Raises if the build fails."""
+                    headers: Sequence[Path] = (), python_module: bool = False) -> Build:
+    """Load `name`'s cached build into torch.ops (or, with `python_module`, build a pybind11 module: import it
+    with `import_module`), compiling it first if there is none. Raises if the build fails."""
     d = build_dir(kind, name, [*sources, *headers], cflags)
     done = d / "ok"
     t = time.perf_counter()
     if done.is_file():
         path = Path(done.read_text().strip())
-        torch.ops.load_library(str(path))
+        if not python_module:
+            torch.ops.load_library(str(path))
         return Build(path, "cached", time.perf_counter() - t)
     from torch.utils import cpp_extension  # imported only to compile: it pulls in setuptools
 
@@ -62,7 +66,15 @@ def load_or_compile(kind: str, name: str, sources: Sequence[Path], cflags: Seque
     logger.warning("compiling %s into %s: once per source, flags and torch version, about a minute", name, d)
     d.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=list(cflags),
-                       extra_ldflags=["-fopenmp"], build_directory=str(d), is_python_module=False, verbose=False)
+                       extra_ldflags=["-fopenmp"], build_directory=str(d), is_python_module=python_module, verbose=False)
     path = max(d.glob(f"{name}*.so"), key=lambda p: p.stat().st_mtime)
     done.write_text(str(path))
     return Build(path, "compiled", time.perf_counter() - t)
+
+
+def import_module(name: str, path: Path) -> ModuleType:
+    """The pybind11 module `name` built (python_module=True) at `path`."""
+    spec = importlib.util.spec_from_file_location(name, str(path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -20,6 +20,7 @@ from llmrt.spec_decode import ProposalInput, create_proposer
 from llmrt.spec_decode.verify_step import token_logprobs, verify_spans
 from llmrt.structured.backend import allocate_bitmask
 from llmrt.worker.pipeline_step import pipelined_forward
+from llmrt.worker.step_graph import StepGraphs, extension as step_graph_extension
 
 
 @dataclass
@@ -48,6 +49,7 @@ class ModelRunner:
         self.fused_layers = (self.device.type == "cpu" and not config.deterministic
                              and compute_dtype(self.device, config.model.torch_dtype) in (torch.float32, torch.bfloat16)
                              and fused_ops() is not None)
+        self.compute_dtype = compute_dtype(self.device, config.model.torch_dtype)
         self.attn_backend = select_attention_backend(config.attention_backend, self.device)
         self.block_size = config.cache.block_size
         self.vocab_size = int(config.model.hf_config["vocab_size"] if "vocab_size" in config.model.hf_config
@@ -62,6 +64,13 @@ class ModelRunner:
         # step's (waiting, total) seconds of every stage.
         self.pipe: Optional[PipeComm] = None
         self.stage_times: list[StageTimes] = []
+        # Decode steps replayed from a recording per batch size (step_graph.py): one rank, no draft model.
+        par = config.parallel
+        self.step_graphs: Optional[StepGraphs] = None
+        self.kv_cache_dtype: Optional[torch.dtype] = None
+        if not config.enforce_eager and par.tensor_parallel_size == 1 and par.pipeline_parallel_size == 1 \
+                and self.proposer is None and step_graph_extension() is not None:
+            self.step_graphs = StepGraphs(step_graph_extension(), self._graph_constants)
 
     # -- start-up --------------------------------------------------------------------------------------
     def weights_bytes(self) -> int:
@@ -102,6 +111,15 @@ class ModelRunner:
         for i, layer in enumerate(layers):
             k, v = kv_caches[i] if kv_caches is not None else (None, None)
             layer.bind(k, v, self.attn_backend if kv_caches is not None else None)
+        self.kv_cache_dtype = kv_caches[0][0].dtype if kv_caches else None
+        if self.step_graphs is not None:
+            self.step_graphs.clear()
+
+    def _graph_constants(self) -> list[torch.Tensor]:
+        """What a recorded step may read besides its inputs: the model's parameters and buffers, the KV caches."""
+        caches = [t for layer in self.model.attention_layers() for t in (layer.k_cache, layer.v_cache)
+                  if t is not None]
+        return [*self.model.parameters(), *self.model.buffers(), *caches]
 
     # -- one step --------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -181,6 +199,10 @@ class ModelRunner:
             return pipelined_forward(self, inp)
         dev = self.device
         ids, pos, meta = self.model_inputs(inp)
+        graph_inputs = self._graph_inputs(inp, ids, pos, meta, observe)
+        if graph_inputs is not None:
+            return self.step_graphs.run(len(inp.query_lens), graph_inputs,
+                                        lambda: self.model.compute_logits(self.model(ids, pos, meta)))
         hidden = self.model(ids, pos, meta)
         if observe and self.proposer is not None:
             self.proposer.observe_forward(ids, pos, meta)
@@ -190,6 +212,17 @@ class ModelRunner:
         if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):  # every row, in order (decode steps)
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
+
+    def _graph_inputs(self, inp: StepInput, ids: torch.Tensor, pos: torch.Tensor, meta: Any,
+                      observe: bool) -> Optional[list[torch.Tensor]]:
+        """The tensors that differ between decode steps of one batch size, when this step can be replayed (every
+        sequence decodes, every row is sampled in order, and the backend's metadata is all tensors); else None."""
+        if self.step_graphs is None or inp.num_decodes != len(inp.query_lens) or (observe and self.proposer):
+            return None
+        if inp.logits_rows != list(range(inp.num_decodes)):
+            return None
+        varying = self.attn_backend.graph_inputs(meta, self.kv_cache_dtype, self.compute_dtype)
+        return None if varying is None else [ids, pos, *varying]
 
     def model_inputs(self, inp: StepInput) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Token ids, positions and attention metadata of a flat batch, on this runner's device."""

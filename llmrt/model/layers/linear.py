@@ -66,6 +66,14 @@ def pack_for_kernels(layer: "Linear", w: torch.Tensor, scale: Optional[torch.Ten
     layer.weight_packed = nn.Parameter(layer.packed.data, requires_grad=False)
     if layer.packed.scale is not None:
         layer.weight_scale = nn.Parameter(layer.packed.scale, requires_grad=False)
+    register_packed_bias(layer)
+
+
+def register_packed_bias(layer: "Linear") -> None:
+    """Register the packed layout's float32 bias copy as a buffer: it is the layer's memory, and a recorded step
+    (llmrt/worker/step_graph.py) may only read the model's own tensors."""
+    if layer.packed.bias is not None:
+        layer.register_buffer("bias_packed", layer.packed.bias, persistent=False)
 
 
 def dense_copy_layers(model: nn.Module) -> tuple[list["Linear"], int]:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmrt.model.layers.linear import UnquantizedLinearMethod, unpacked, use_kernel
+from llmrt.model.layers.linear import UnquantizedLinearMethod, register_packed_bias, unpacked, use_kernel
 from llmrt.model.quantization.base import QuantizationConfig
 
 if TYPE_CHECKING:
@@ -139,6 +139,7 @@ class Int4LinearMethod(UnquantizedLinearMethod):
                                              layer.bias)
             layer.qweight = nn.Parameter(layer.packed.data, requires_grad=False)
             layer.scales_zeros = nn.Parameter(layer.packed.sz, requires_grad=False)
+            register_packed_bias(layer)
         elif layer.int4_torch_packed:
             layer.qweight = nn.Parameter(torch._convert_weight_to_int4pack_for_cpu(q, 1), requires_grad=False)
             sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
