@@ -1,6 +1,5 @@
 """`python -m llmrt.kernels`: build (or find cached) every kernel build this CPU can run, linear, attention and
-the fused layer ops;
-`make install` runs it."""
+the fused layer ops, and the step-graph interpreter; `make install` runs it."""
 from __future__ import annotations
 
 import sys
@@ -23,6 +22,9 @@ def main() -> int:
 
     fused = fused_ops()  # the build this CPU uses; its warning says why where it fails
     print(f"llmrt fused layer ops: {'ready (' + fused.isa + ')' if fused else 'not built; torch ops will be used'}")
+    from llmrt.worker.step_graph import extension
+
+    print(f"llmrt step graphs: {'ready' if extension() else 'not built; every step will run eagerly'}")
     isas = [isa for isa, needs in ISA_NEEDS.items() if set(needs) <= cpu_flags()]
     if not isas:
         print("llmrt kernels: this CPU has no AVX2+FMA; torch's paths will be used")
