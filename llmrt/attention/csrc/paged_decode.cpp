@@ -108,6 +108,37 @@ inline float hsum(vf v) {
 
 inline vf vexp(vf x) { return exp_poly<vf, vi>(x); }
 
+constexpr int LOG_L = L == 16 ? 4 : L == 8 ? 3 : 2;
+// Shuffle masks for sum_rows: at level k a vector holds 2^k rows of L >> k lanes each; two such vectors become
+// one of 2^(k+1) rows of half the lanes, the lower half of each row's lanes plus its upper half.
+struct RowMasks {
+  vi lo[LOG_L], hi[LOG_L];
+};
+inline RowMasks row_masks() {
+  RowMasks r;
+  for (int k = 0; k < LOG_L; ++k) {
+    const int64_t m = L >> k, half = m / 2, rows = int64_t{1} << k;
+    for (int64_t o = 0; o < L; ++o) {
+      const int64_t row = o / half, e = o % half;
+      const int64_t src = row < rows ? row * m + e : L + (row - rows) * m + e;
+      r.lo[k][o] = static_cast<int32_t>(src);
+      r.hi[k][o] = static_cast<int32_t>(src + half);
+    }
+  }
+  return r;
+}
+// v[0..L): lane i of the result is the sum of v[i]'s lanes, added in hsum's order (lane j + lane j + L/2 first).
+// Overwrites v.
+inline vf sum_rows(vf* v, const RowMasks& mk) {
+  int64_t n = L;
+  for (int k = 0; k < LOG_L; ++k, n /= 2) {
+    for (int64_t p = 0; p < n / 2; ++p) {
+      v[p] = __builtin_shuffle(v[2 * p], v[2 * p + 1], mk.lo[k]) + __builtin_shuffle(v[2 * p], v[2 * p + 1], mk.hi[k]);
+    }
+  }
+  return v[0];
+}
+
 // The same attention with the head dimension in NC registers of L lanes (dim == NC * L). A work unit is one
 // sequence with all its KV heads when there are enough sequences to share out (W1's batched decode), else one
 // (sequence, KV head): the K pass and the V pass walk the unit's tokens in cache order, reading each token's heads
@@ -126,7 +157,8 @@ void decode_vec(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64
   const int64_t per = kv_heads / split, nh = per * group;                      // KV / query heads per unit
   at::parallel_for(0, num_seqs * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv(nh);
-    std::vector<vf> q(nh * NC), acc(nh * NC);
+    std::vector<vf> q(nh * NC), acc(nh * NC), dots(group * L);
+    const RowMasks masks = row_masks();
     std::vector<int64_t> offs;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t s = work / split, h0 = (work % split) * per;
@@ -146,16 +178,27 @@ void decode_vec(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64
           for (int64_t i = 0; i < L; ++i) q[j * NC + c][i] = static_cast<float>(qin[j * dim + c * L + i]);
         }
       }
-      for (int64_t t = 0; t < n; ++t) {
-        const KV* krow = k_cache + offs[t];
+      // K pass, L tokens at a time: each (token, query head) leaves an L-lane vector of products, and L such
+      // vectors (one head, L tokens) are summed lane-wise together by `sum_rows` (3 vector ops a score instead of
+      // a scalar tree of L); same tree as hsum, so the same bits.
+      for (int64_t t0 = 0; t0 < n; t0 += L) {
+        const int64_t m = std::min<int64_t>(L, n - t0);
         for (int64_t hh = 0; hh < per; ++hh) {
-          vf kv[NC];
-          for (int c = 0; c < NC; ++c) kv[c] = vload(krow + hh * dim + c * L);
+          for (int64_t i = 0; i < m; ++i) {
+            const KV* krow = k_cache + offs[t0 + i] + hh * dim;
+            vf kv[NC];
+            for (int c = 0; c < NC; ++c) kv[c] = vload(krow + c * L);
+            for (int64_t g = 0; g < group; ++g) {
+              const vf* qj = q.data() + (hh * group + g) * NC;
+              vf d = qj[0] * kv[0];
+              for (int c = 1; c < NC; ++c) d += qj[c] * kv[c];
+              dots[g * L + i] = d;
+            }
+          }
           for (int64_t g = 0; g < group; ++g) {
-            const vf* qj = q.data() + (hh * group + g) * NC;
-            vf d = qj[0] * kv[0];
-            for (int c = 1; c < NC; ++c) d += qj[c] * kv[c];
-            scores[(hh * group + g) * np + t] = hsum(d) * sc;
+            for (int64_t i = m; i < L; ++i) dots[g * L + i] = vf{};  // past the context: overwritten below
+            const vf r = sum_rows(dots.data() + g * L, masks) * sc;
+            std::memcpy(scores.data() + (hh * group + g) * np + t0, &r, sizeof(vf));
           }
         }
       }
