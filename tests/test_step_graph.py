@@ -73,6 +73,12 @@ def test_int8_kv_cache_runs_eagerly(checkpoints):
     assert graphs.recorded == 0 and graphs.replayed == 0
 
 
+def test_backends_that_cannot_replay_build_no_graphs(checkpoints):
+    llm = LLM(str(checkpoints["llama3"]), dtype="float32", block_size=4, attention_backend="torch")
+    assert _runner(llm).step_graphs is None
+    _generate(llm, _prompts(2, 6))
+
+
 def test_rebinding_the_kv_cache_forgets_the_graphs(checkpoints):
     llm = LLM(str(checkpoints["llama3"]), dtype="float32", block_size=4)
     _generate(llm, _prompts(2, 5))

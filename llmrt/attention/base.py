@@ -19,6 +19,7 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     device_types: ClassVar[tuple[str, ...]]  # torch device types it runs on ("cpu", "cuda")
     priority: ClassVar[int] = 0  # `auto` takes the highest-priority backend that supports the device
+    replayable: ClassVar[bool] = False  # whether graph_inputs can ever say yes (else no step graphs are built)
 
     @classmethod
     def supports(cls, device: torch.device) -> bool:

@@ -81,6 +81,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     name = "cpu_paged"
     device_types = ("cpu",)
     priority = 10
+    replayable = True
 
     @classmethod
     def supports(cls, device: torch.device) -> bool:

@@ -69,7 +69,7 @@ class ModelRunner:
         self.step_graphs: Optional[StepGraphs] = None
         self.kv_cache_dtype: Optional[torch.dtype] = None
         if not config.enforce_eager and par.tensor_parallel_size == 1 and par.pipeline_parallel_size == 1 \
-                and self.proposer is None and step_graph_extension() is not None:
+                and self.proposer is None and self.attn_backend.replayable and step_graph_extension() is not None:
             self.step_graphs = StepGraphs(step_graph_extension(), self._graph_constants)
 
     # -- start-up --------------------------------------------------------------------------------------
