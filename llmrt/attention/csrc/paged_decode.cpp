@@ -139,6 +139,59 @@ inline vf sum_rows(vf* v, const RowMasks& mk) {
   return v[0];
 }
 
+// The V pass with a KV head's G query heads accumulating in registers (G x NC vectors) over L tokens at a time
+// (one block's rows, re-read from L1 for each KV head), instead of a load and a store of every accumulator for
+// every token. Each accumulator sees the same FMAs in the same order as the token-major loop: the same bits.
+template <int NC, int G, typename KV>
+void v_pass(const KV* v_cache, const int64_t* offs, int64_t n, int64_t per, const float* scores, int64_t np,
+            vf* acc) {
+  constexpr int64_t dim = NC * L;
+  for (int64_t t0 = 0; t0 < n; t0 += L) {
+    const int64_t m = std::min<int64_t>(L, n - t0);
+    for (int64_t hh = 0; hh < per; ++hh) {
+      vf a[G][NC];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NC; ++c) a[g][c] = acc[(hh * G + g) * NC + c];
+      const float* p = scores + hh * G * np + t0;
+      for (int64_t i = 0; i < m; ++i) {
+        const KV* vrow = v_cache + offs[t0 + i] + hh * dim;
+        vf vv[NC];
+        for (int c = 0; c < NC; ++c) vv[c] = vload(vrow + c * L);
+        for (int g = 0; g < G; ++g) {
+          const float pg = p[g * np + i];
+          for (int c = 0; c < NC; ++c) a[g][c] += pg * vv[c];
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NC; ++c) acc[(hh * G + g) * NC + c] = a[g][c];
+    }
+  }
+}
+
+// v_pass for the group sizes whose accumulators fit the registers (G x NC <= 16); false: the caller's loop.
+template <int NC, typename KV>
+bool v_pass_grouped(int64_t group, const KV* v_cache, const int64_t* offs, int64_t n, int64_t per,
+                    const float* scores, int64_t np, vf* acc) {
+#define LLMRT_VG(g)                                                         \
+  case g:                                                                   \
+    if constexpr (g * NC <= 16) {                                           \
+      v_pass<NC, g, KV>(v_cache, offs, n, per, scores, np, acc);            \
+      return true;                                                          \
+    }                                                                       \
+    return false;
+  switch (group) {
+    LLMRT_VG(1)
+    LLMRT_VG(2)
+    LLMRT_VG(3)
+    LLMRT_VG(4)
+    LLMRT_VG(6)
+    LLMRT_VG(8)
+    default:
+      return false;
+  }
+#undef LLMRT_VG
+}
+
 // The same attention with the head dimension in NC registers of L lanes (dim == NC * L). A work unit is one
 // sequence with all its KV heads when there are enough sequences to share out (W1's batched decode), else one
 // (sequence, KV head): the K pass and the V pass walk the unit's tokens in cache order, reading each token's heads
@@ -224,16 +277,18 @@ void decode_vec(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64
         inv[j] = 1.f / hsum(sum);
       }
       std::fill(acc.begin(), acc.end(), vf{});
-      for (int64_t t = 0; t < n; ++t) {
-        const KV* vrow = v_cache + offs[t];
-        for (int64_t hh = 0; hh < per; ++hh) {
-          vf vv[NC];
-          for (int c = 0; c < NC; ++c) vv[c] = vload(vrow + hh * dim + c * L);
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t j = hh * group + g;
-            const float p = scores[j * np + t];
-            vf* a = acc.data() + j * NC;
-            for (int c = 0; c < NC; ++c) a[c] += p * vv[c];
+      if (!v_pass_grouped<NC>(group, v_cache, offs.data(), n, per, scores.data(), np, acc.data())) {
+        for (int64_t t = 0; t < n; ++t) {
+          const KV* vrow = v_cache + offs[t];
+          for (int64_t hh = 0; hh < per; ++hh) {
+            vf vv[NC];
+            for (int c = 0; c < NC; ++c) vv[c] = vload(vrow + hh * dim + c * L);
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t j = hh * group + g;
+              const float p = scores[j * np + t];
+              vf* a = acc.data() + j * NC;
+              for (int c = 0; c < NC; ++c) a[c] += p * vv[c];
+            }
           }
         }
       }
