@@ -60,6 +60,12 @@ def extension() -> Optional[Any]:
 class _Recorder(TorchDispatchMode):
     """Runs every op as usual and keeps (op, args, kwargs, result) in call order."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ to disable dynamo, which imports torch._dynamo (1.2 s here) on
+        # the first op recorded: the first decode step of every process. Nothing here runs under dynamo.
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[Any, tuple, dict, Any]] = []
