@@ -23,7 +23,7 @@ import torch
 from llmrt.attention.base import register_attention_backend
 from llmrt.attention.kv_quant import is_quantized
 from llmrt.attention.torch_sdpa import TorchAttentionBackend, TorchAttentionMetadata
-from llmrt.hardware import kernel_isa
+from llmrt.hardware import cpu_flags, kernel_isa
 from llmrt.kernels import ISA_FLAGS
 from llmrt.kernels.build import load_or_compile
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+PREFILL_SOURCE = Path(__file__).parent / "csrc" / "prefill_softmax.cpp"
 VEC_LANES = Path(__file__).parents[1] / "kernels" / "csrc" / "vec_lanes.h"  # SOURCE includes it: in the build key
 # No -ffast-math: results must not depend on how many sequences share a step (the vector path's sums are in a
 # fixed order; the reference loop's `omp simd` reductions vectorize under -fopenmp alone).
@@ -50,6 +51,8 @@ class AttentionKernels:
     decode: Callable[..., torch.Tensor]  # (q, k_cache, v_cache, tables, lens, scale, window) -> out
     decode_write: Callable[..., torch.Tensor]  # (q, k, v, slots, k_cache, v_cache, tables, lens, scale, window)
     cache_write: Callable[..., None]  # (k, v, slots, k_cache, v_cache)
+    prefill_softmax: Callable[..., torch.Tensor]  # (scores, n, q_offset, scale, window, dtype) -> probabilities
+    set_bf16dot: Callable[[bool], bool]  # the bf16 K pass by vdpbf16ps on or off; returns the previous setting
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,7 +61,7 @@ def load_kernel() -> Optional[AttentionKernels]:
     if os.environ.get("LLMRT_ATTENTION_KERNEL", "1").lower() in ("0", "off"):
         return None
     try:
-        b = load_or_compile("attention", "llmrt_paged_decode", [SOURCE], _cflags(), [VEC_LANES])
+        b = load_or_compile("attention", "llmrt_paged_decode", [SOURCE, PREFILL_SOURCE], _cflags(), [VEC_LANES])
     except Exception as e:  # no compiler or ninja: the torch backend still works
         logger.warning("cpu_paged attention kernel unavailable (%s: %s); using the torch backend",
                        type(e).__name__, (str(e).strip().splitlines() or [""])[-1])
@@ -66,7 +69,11 @@ def load_kernel() -> Optional[AttentionKernels]:
     logger.info("cpu_paged attention kernel %s in %.2f s (%s)", "loaded from cache" if b.how == "cached"
                 else "compiled", b.seconds, b.path)
     ns = torch.ops.llmrt_attn
-    return AttentionKernels(ns.paged_decode.default, ns.paged_decode_write.default, ns.cache_write.default)
+    kernels = AttentionKernels(ns.paged_decode.default, ns.paged_decode_write.default, ns.cache_write.default,
+                               ns.prefill_softmax.default, ns.set_bf16dot.default)
+    # vdpbf16ps for bf16 K passes where the capability table says the CPU has it (the AVX-512 build only)
+    kernels.set_bf16dot(kernel_isa() == "avx512" and "avx512_bf16" in cpu_flags())
+    return kernels
 
 
 def _heads_contiguous(q: torch.Tensor) -> torch.Tensor:
@@ -117,6 +124,14 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             return k, v
         return super()._write(layer, k, v, meta, dtype)
 
+    @staticmethod
+    def _prefill(layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """A prefill span's attention as two batched matmuls around our causal softmax (`prefill_attention`)."""
+        if q.dtype not in _FLOAT or os.environ.get("LLMRT_PREFILL_ATTENTION", "1").lower() in ("0", "off"):
+            return TorchAttentionBackend._prefill(layer, q, k, v, mask)
+        return prefill_attention(q, k, v, layer.scale, layer.sliding_window or 0)
+
     def _decode(self, layer: "Attention", q: torch.Tensor, meta: TorchAttentionMetadata,  # type: ignore[override]
                 block_size: int) -> torch.Tensor:
         k_cache, v_cache = layer.k_cache, layer.v_cache
@@ -130,3 +145,44 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
                           window).to(q.dtype)
         return decode(_heads_contiguous(q), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                       layer.scale, window)
+
+
+# Query rows per matmul pair: bounds the float32 scores (query heads x rows x context x 4 bytes: 12 heads, 2048
+# keys: 24 MiB) and skips the keys after a chunk's last query (all masked).
+PREFILL_QUERY_CHUNK = 128
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """Causal attention of a span's n queries q [n, H, D] (the last n positions) over its context k, v [ctx, KVH, D].
+
+    torch's CPU flash SDPA runs these spans at 30-80 GFLOP/s; this computes the scores of each KV head's group of
+    query heads with one float32 bmm (bf16 inputs are exact in float32), masks, scales and normalizes them in one
+    pass (csrc/prefill_softmax.cpp: masked probabilities are zeros), and multiplies by V with a second float32 bmm,
+    rounding to the inputs' dtype once at the end (the error of torch's flash kernel, measured in tests). The
+    squares above the diagonal cost matmul work, bounded by taking queries PREFILL_QUERY_CHUNK at a time, each
+    chunk against the keys up to its last query.
+    """
+    n, heads, dim = q.shape
+    ctx, kv_heads = k.shape[0], k.shape[1]
+    group = heads // kv_heads
+    offset = ctx - n
+    softmax = load_kernel().prefill_softmax
+    # [KVH, group * n, D]: a KV head's query heads one after another, so one bmm per KV head covers its group
+    qg = q.view(n, kv_heads, group, dim).permute(1, 2, 0, 3)
+    kt = k.permute(1, 2, 0)  # [KVH, D, ctx]
+    vt = v.permute(1, 0, 2)  # [KVH, ctx, D]
+    if q.dtype != torch.float32:
+        # float32 probabilities and V too: bf16 probabilities were ~10% faster but 1.5x the error of torch's flash
+        # kernel, and flipped a near-tie greedy token of W2 against vLLM and our own earlier output
+        qg, kt, vt = qg.float(), kt.float(), vt.float()
+    out = torch.empty(kv_heads, group, n, dim, dtype=q.dtype)
+    for c0 in range(0, n, PREFILL_QUERY_CHUNK):
+        c1 = min(n, c0 + PREFILL_QUERY_CHUNK)
+        keys = offset + c1  # keys after the chunk's last query are masked for all its rows
+        lo = max(0, offset + c0 + 1 - window) if window > 0 else 0
+        m = c1 - c0
+        s = torch.bmm(qg[:, :, c0:c1].reshape(kv_heads, group * m, dim), kt[:, :, lo:keys])
+        p = softmax(s.view(kv_heads * group * m, keys - lo), m, offset + c0 - lo, scale, window, torch.float32)
+        out[:, :, c0:c1] = torch.bmm(p.view(kv_heads, group * m, keys - lo), vt[:, lo:keys]).view(
+            kv_heads, group, m, dim)
+    return out.permute(2, 0, 1, 3).reshape(n, heads, dim)

@@ -18,6 +18,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(LLMRT_AVX512)
+#include <immintrin.h>
+#endif
+
 #include "../../kernels/csrc/vec_lanes.h"
 
 namespace {
@@ -139,6 +143,66 @@ inline vf sum_rows(vf* v, const RowMasks& mk) {
   return v[0];
 }
 
+// Whether bf16 x bf16 K passes use AVX512-BF16's vdpbf16ps: set once by the loader from the capability table
+// (hardware.cpu_has_native_bf16), and by tests to cover both branches.
+bool g_bf16dot = false;
+
+#if defined(LLMRT_AVX512)
+// The K pass of a bf16 query over a bf16 cache with vdpbf16ps: each lane takes a pair of bf16 products straight
+// from the loaded rows (no widening to fp32; products exact in fp32, sums rounded to nearest as the FMA path's,
+// denormals flushed), 2 instructions a (token, query head) for head_dim 64 instead of 4 loads widened and 4 FMAs.
+// The L-lane vectors then go through the same `sum_rows` tree. Scores differ from the FMA path in the last bits
+// (pairs summed in another order), not from one batch to another.
+template <int NC>
+__attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq"))) void k_pass_bf16dot_impl(
+    const c10::BFloat16* qin, const c10::BFloat16* k_cache, const int64_t* offs, int64_t n, int64_t per,
+    int64_t group, float sc, float* scores, int64_t np, vf* dots, const RowMasks& masks) {
+  constexpr int NP = NC / 2;  // 512-bit registers of 32 bf16 a head row
+  constexpr int64_t dim = NC * L;
+  const int64_t nh = per * group;
+  __m512i qv[64 * NP];  // query heads x NP: nh <= 64 (checked by the caller)
+  for (int64_t j = 0; j < nh; ++j)
+    for (int p = 0; p < NP; ++p) qv[j * NP + p] = _mm512_loadu_si512(qin + j * dim + p * 32);
+  for (int64_t t0 = 0; t0 < n; t0 += L) {
+    const int64_t m = std::min<int64_t>(L, n - t0);
+    for (int64_t i = 0; i < m; ++i) {
+      const c10::BFloat16* krow = k_cache + offs[t0 + i];
+      for (int64_t hh = 0; hh < per; ++hh) {
+        __m512i kb[NP];
+        for (int p = 0; p < NP; ++p) kb[p] = _mm512_loadu_si512(krow + hh * dim + p * 32);
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512i* qj = qv + (hh * group + g) * NP;
+          __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qj[0], (__m512bh)kb[0]);
+          for (int p = 1; p < NP; ++p) d = _mm512_dpbf16_ps(d, (__m512bh)qj[p], (__m512bh)kb[p]);
+          dots[(hh * group + g) * L + i] = (vf)d;
+        }
+      }
+    }
+    for (int64_t j = 0; j < nh; ++j) {
+      for (int64_t i = m; i < L; ++i) dots[j * L + i] = vf{};
+      const vf r = sum_rows(dots + j * L, masks) * sc;
+      std::memcpy(scores + j * np + t0, &r, sizeof(vf));
+    }
+  }
+}
+#endif
+
+// Runs the vdpbf16ps K pass and returns true where it applies (AVX-512 build, bf16 query and cache, head_dim a
+// multiple of 32, g_bf16dot set); false: the caller's FMA K pass.
+template <int NC, typename KV, typename Q>
+bool k_pass_bf16dot(const Q* qin, const KV* k_cache, const int64_t* offs, int64_t n, int64_t per, int64_t group,
+                    float sc, float* scores, int64_t np, vf* dots, const RowMasks& masks) {
+#if defined(LLMRT_AVX512)
+  if constexpr (std::is_same_v<KV, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16> && NC % 2 == 0 && L == 16) {
+    if (g_bf16dot && per * group <= 64) {
+      k_pass_bf16dot_impl<NC>(qin, k_cache, offs, n, per, group, sc, scores, np, dots, masks);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
 // The V pass with a KV head's G query heads accumulating in registers (G x NC vectors) over L tokens at a time
 // (one block's rows, re-read from L1 for each KV head), instead of a load and a store of every accumulator for
 // every token. Each accumulator sees the same FMAs in the same order as the token-major loop: the same bits.
@@ -210,7 +274,7 @@ void decode_vec(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64
   const int64_t per = kv_heads / split, nh = per * group;                      // KV / query heads per unit
   at::parallel_for(0, num_seqs * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv(nh);
-    std::vector<vf> q(nh * NC), acc(nh * NC), dots(group * L);
+    std::vector<vf> q(nh * NC), acc(nh * NC), dots(nh * L);
     const RowMasks masks = row_masks();
     std::vector<int64_t> offs;
     for (int64_t work = begin; work < end; ++work) {
@@ -231,27 +295,31 @@ void decode_vec(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64
           for (int64_t i = 0; i < L; ++i) q[j * NC + c][i] = static_cast<float>(qin[j * dim + c * L + i]);
         }
       }
-      // K pass, L tokens at a time: each (token, query head) leaves an L-lane vector of products, and L such
-      // vectors (one head, L tokens) are summed lane-wise together by `sum_rows` (3 vector ops a score instead of
-      // a scalar tree of L); same tree as hsum, so the same bits.
-      for (int64_t t0 = 0; t0 < n; t0 += L) {
-        const int64_t m = std::min<int64_t>(L, n - t0);
-        for (int64_t hh = 0; hh < per; ++hh) {
+      if (!k_pass_bf16dot<NC>(qin, k_cache, offs.data(), n, per, group, sc, scores.data(), np, dots.data(),
+                              masks)) {
+        // K pass, L tokens at a time: each (token, query head) leaves an L-lane vector of products, and L such
+        // vectors (one head, L tokens) are summed lane-wise together by `sum_rows` (3 vector ops a score instead of
+        // a scalar tree of L); same tree as hsum, so the same bits. Token-major: each token's heads are read as one
+        // contiguous run, in cache order (a head-major walk read 128 of every 512 bytes of a block per pass).
+        for (int64_t t0 = 0; t0 < n; t0 += L) {
+          const int64_t m = std::min<int64_t>(L, n - t0);
           for (int64_t i = 0; i < m; ++i) {
-            const KV* krow = k_cache + offs[t0 + i] + hh * dim;
-            vf kv[NC];
-            for (int c = 0; c < NC; ++c) kv[c] = vload(krow + c * L);
-            for (int64_t g = 0; g < group; ++g) {
-              const vf* qj = q.data() + (hh * group + g) * NC;
-              vf d = qj[0] * kv[0];
-              for (int c = 1; c < NC; ++c) d += qj[c] * kv[c];
-              dots[g * L + i] = d;
+            const KV* krow = k_cache + offs[t0 + i];
+            for (int64_t hh = 0; hh < per; ++hh) {
+              vf kv[NC];
+              for (int c = 0; c < NC; ++c) kv[c] = vload(krow + hh * dim + c * L);
+              for (int64_t g = 0; g < group; ++g) {
+                const vf* qj = q.data() + (hh * group + g) * NC;
+                vf d = qj[0] * kv[0];
+                for (int c = 1; c < NC; ++c) d += qj[c] * kv[c];
+                dots[(hh * group + g) * L + i] = d;
+              }
             }
           }
-          for (int64_t g = 0; g < group; ++g) {
-            for (int64_t i = m; i < L; ++i) dots[g * L + i] = vf{};  // past the context: overwritten below
-            const vf r = sum_rows(dots.data() + g * L, masks) * sc;
-            std::memcpy(scores.data() + (hh * group + g) * np + t0, &r, sizeof(vf));
+          for (int64_t j = 0; j < nh; ++j) {
+            for (int64_t i = m; i < L; ++i) dots[j * L + i] = vf{};  // past the context: overwritten below
+            const vf r = sum_rows(dots.data() + j * L, masks) * sc;
+            std::memcpy(scores.data() + j * np + t0, &r, sizeof(vf));
           }
         }
       }
@@ -436,9 +504,17 @@ at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at
   return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
 }
 
+// Turns the vdpbf16ps K pass on or off (the loader: from the capability table); returns the previous setting.
+bool set_bf16dot(bool on) {
+  const bool before = g_bf16dot;
+  g_bf16dot = on;
+  return before;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llmrt_attn, m) {
+  m.def("set_bf16dot(bool on) -> bool");
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, "
         "int window) -> Tensor");
   m.def("cache_write(Tensor k, Tensor v, Tensor slots, Tensor(a!) k_cache, Tensor(b!) v_cache) -> ()");
@@ -450,4 +526,8 @@ TORCH_LIBRARY_IMPL(llmrt_attn, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("cache_write", &cache_write);
   m.impl("paged_decode_write", &paged_decode_write);
+}
+
+TORCH_LIBRARY_IMPL(llmrt_attn, CatchAll, m) {
+  m.impl("set_bf16dot", &set_bf16dot);
 }
