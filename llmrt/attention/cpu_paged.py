@@ -2,8 +2,9 @@
 of gathering every sequence's blocks into a padded copy per layer per step as the `torch` backend does.
 
 The kernel (csrc/paged_decode.cpp) also stores the step's new K/V rows at their slots: a decode-only step's
-attention is one call per layer (`paged_decode_write`), other steps store with `cache_write` and run prefill
-spans through the `torch` backend's code. int8/fp8 KV caches and CUDA keep `torch`'s code throughout. The kernel is
+attention is one call per layer (`paged_decode_write`), other steps store with `cache_write` and run each prefill
+span through a fused causal attention kernel (csrc/prefill_attention.cpp; torch's SDPA for head dims it does not
+take). int8/fp8 KV caches and CUDA keep `torch`'s code throughout. The kernel is
 compiled once per source, ISA flags (the capability table's `kernel_isa`) and torch version into
 `$LLMRT_CACHE_DIR/attention` (default ~/.cache/llmrt/attention; llmrt/kernels/build.py, shared with the linear
 kernels) and later processes only load the .so. Where it cannot be built (no compiler,
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-PREFILL_SOURCE = Path(__file__).parent / "csrc" / "prefill_softmax.cpp"
+PREFILL_SOURCE = Path(__file__).parent / "csrc" / "prefill_attention.cpp"
 VEC_LANES = Path(__file__).parents[1] / "kernels" / "csrc" / "vec_lanes.h"  # SOURCE includes it: in the build key
 # No -ffast-math: results must not depend on how many sequences share a step (the vector path's sums are in a
 # fixed order; the reference loop's `omp simd` reductions vectorize under -fopenmp alone).
@@ -51,7 +52,8 @@ class AttentionKernels:
     decode: Callable[..., torch.Tensor]  # (q, k_cache, v_cache, tables, lens, scale, window) -> out
     decode_write: Callable[..., torch.Tensor]  # (q, k, v, slots, k_cache, v_cache, tables, lens, scale, window)
     cache_write: Callable[..., None]  # (k, v, slots, k_cache, v_cache)
-    prefill_softmax: Callable[..., torch.Tensor]  # (scores, n, q_offset, scale, window, dtype) -> probabilities
+    prefill_attention: Callable[..., torch.Tensor]  # (q, k, v, scale, window) -> out, one causal span
+    prefill_supports: Callable[[int], bool]  # whether prefill_attention takes this head dim in this build
     set_bf16dot: Callable[[bool], bool]  # the bf16 K pass by vdpbf16ps on or off; returns the previous setting
 
 
@@ -70,7 +72,7 @@ def load_kernel() -> Optional[AttentionKernels]:
                 else "compiled", b.seconds, b.path)
     ns = torch.ops.llmrt_attn
     kernels = AttentionKernels(ns.paged_decode.default, ns.paged_decode_write.default, ns.cache_write.default,
-                               ns.prefill_softmax.default, ns.set_bf16dot.default)
+                               ns.prefill_attention.default, ns.prefill_supports.default, ns.set_bf16dot.default)
     # vdpbf16ps for bf16 K passes where the capability table says the CPU has it (the AVX-512 build only)
     kernels.set_bf16dot(kernel_isa() == "avx512" and "avx512_bf16" in cpu_flags())
     return kernels
@@ -127,10 +129,9 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     @staticmethod
     def _prefill(layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """A prefill span's attention as two batched matmuls around our causal softmax (`prefill_attention`)."""
-        if q.dtype not in _FLOAT or os.environ.get("LLMRT_PREFILL_ATTENTION", "1").lower() in ("0", "off"):
-            return TorchAttentionBackend._prefill(layer, q, k, v, mask)
-        return prefill_attention(q, k, v, layer.scale, layer.sliding_window or 0)
+        """A prefill span's causal attention by the fused kernel (`prefill_attention`), else torch's SDPA."""
+        out = prefill_attention(q, k, v, layer.scale, layer.sliding_window or 0)
+        return out if out is not None else TorchAttentionBackend._prefill(layer, q, k, v, mask)
 
     def _decode(self, layer: "Attention", q: torch.Tensor, meta: TorchAttentionMetadata,  # type: ignore[override]
                 block_size: int) -> torch.Tensor:
@@ -147,42 +148,20 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
                       layer.scale, window)
 
 
-# Query rows per matmul pair: bounds the float32 scores (query heads x rows x context x 4 bytes: 12 heads, 2048
-# keys: 24 MiB) and skips the keys after a chunk's last query (all masked).
-PREFILL_QUERY_CHUNK = 128
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      window: int) -> Optional[torch.Tensor]:
+    """Causal attention of a span's n queries q [n, H, D] (the last n positions) over its context k, v [ctx, KVH, D]
+    by csrc/prefill_attention.cpp, or None where that kernel does not apply (a head dim or dtype it does not
+    take, LLMRT_PREFILL_ATTENTION=0): the caller then uses torch's SDPA.
 
-
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int) -> torch.Tensor:
-    """Causal attention of a span's n queries q [n, H, D] (the last n positions) over its context k, v [ctx, KVH, D].
-
-    torch's CPU flash SDPA runs these spans at 30-80 GFLOP/s; this computes the scores of each KV head's group of
-    query heads with one float32 bmm (bf16 inputs are exact in float32), masks, scales and normalizes them in one
-    pass (csrc/prefill_softmax.cpp: masked probabilities are zeros), and multiplies by V with a second float32 bmm,
-    rounding to the inputs' dtype once at the end (the error of torch's flash kernel, measured in tests). The
-    squares above the diagonal cost matmul work, bounded by taking queries PREFILL_QUERY_CHUNK at a time, each
-    chunk against the keys up to its last query.
+    torch's CPU flash SDPA ran the 64-512 token spans of a batched prefill at 30-80 GFLOP/s on 2 cores, and two
+    float32 bmms around a softmax at 30-55; the fused kernel keeps a tile of query rows' scores, running softmax
+    and outputs in registers, block by block of keys (float32 throughout, the output rounded once).
     """
-    n, heads, dim = q.shape
-    ctx, kv_heads = k.shape[0], k.shape[1]
-    group = heads // kv_heads
-    offset = ctx - n
-    softmax = load_kernel().prefill_softmax
-    # [KVH, group * n, D]: a KV head's query heads one after another, so one bmm per KV head covers its group
-    qg = q.view(n, kv_heads, group, dim).permute(1, 2, 0, 3)
-    kt = k.permute(1, 2, 0)  # [KVH, D, ctx]
-    vt = v.permute(1, 0, 2)  # [KVH, ctx, D]
-    if q.dtype != torch.float32:
-        # float32 probabilities and V too: bf16 probabilities were ~10% faster but 1.5x the error of torch's flash
-        # kernel, and flipped a near-tie greedy token of W2 against vLLM and our own earlier output
-        qg, kt, vt = qg.float(), kt.float(), vt.float()
-    out = torch.empty(kv_heads, group, n, dim, dtype=q.dtype)
-    for c0 in range(0, n, PREFILL_QUERY_CHUNK):
-        c1 = min(n, c0 + PREFILL_QUERY_CHUNK)
-        keys = offset + c1  # keys after the chunk's last query are masked for all its rows
-        lo = max(0, offset + c0 + 1 - window) if window > 0 else 0
-        m = c1 - c0
-        s = torch.bmm(qg[:, :, c0:c1].reshape(kv_heads, group * m, dim), kt[:, :, lo:keys])
-        p = softmax(s.view(kv_heads * group * m, keys - lo), m, offset + c0 - lo, scale, window, torch.float32)
-        out[:, :, c0:c1] = torch.bmm(p.view(kv_heads, group * m, keys - lo), vt[:, lo:keys]).view(
-            kv_heads, group, m, dim)
-    return out.permute(2, 0, 1, 3).reshape(n, heads, dim)
+    kernels = load_kernel()
+    if kernels is None or os.environ.get("LLMRT_PREFILL_ATTENTION", "1").lower() in ("0", "off"):
+        return None
+    if q.dtype not in _FLOAT or k.dtype != q.dtype or v.dtype != q.dtype or not kernels.prefill_supports(q.shape[-1]):
+        return None
+    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (q, k, v))
+    return kernels.prefill_attention(q, k, v, scale, window)
