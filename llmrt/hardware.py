@@ -155,9 +155,10 @@ class _LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and not t.is_mkldnn}  # oneDNN's opaque weights: no storage
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor) or t.is_mkldnn:
                 continue
             storage = t.untyped_storage()
             key = storage.data_ptr()

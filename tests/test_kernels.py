@@ -321,36 +321,43 @@ def test_bf16_upcast_layers_take_their_builds_row_limit(monkeypatch, embedded_mo
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_dense_copy_serves_large_steps_with_the_same_results(dtype, embedded_model_dir):
+def test_dense_copy_serves_large_steps_with_the_same_results(dtype, embedded_model_dir, monkeypatch):
     """With the dense copy kept, steps above kernel_max_rows run torch's GEMM on it: the same outputs as the
-    per-step unpack, the same greedy tokens for a batch larger than the kernels take, and its bytes counted."""
-    from llmrt.model.layers.linear import dense_copy_layers
+    per-step unpack (bitwise for the plain copy, to the GEMM's rounding for oneDNN's layout), the same greedy
+    tokens for a batch larger than the kernels take, and its bytes counted."""
+    from llmrt.model.layers.linear import dense_copy_layers, onednn_prepack
 
     # 70 rows per decode step: above every format's kernel rows (kernels.max_rows)
     prompts = [f"Once upon a time {i}" for i in range(70)]
     params = SamplingParams(max_tokens=12, temperature=0)
     out, weights = {}, {}
-    for setting in ("on", "off"):
+    for setting, prepack in (("on", "0"), ("on", "1"), ("off", "1")):
+        monkeypatch.setenv("LLMRT_ONEDNN_PREPACK", prepack)
         llm = LLM(dtype=dtype, dense_weight_copy=setting, max_num_seqs=80)
         layers = _linears(llm)
         packed = [m for m in layers if m.packed is not None]
         assert packed and all(m.keep_dense == (setting == "on") for m in packed)
-        assert all(hasattr(m, "weight") == (setting == "on") for m in packed)
-        out[setting] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        weights[setting] = llm.engine.memory.weights_bytes
+        model = llm.engine.executor.worker.model_runner.model
+        # activations arrive in the compute dtype: fp32 where the CPU emulates bf16 (AVX2 only)
+        oned = setting == "on" and prepack == "1" and onednn_prepack(packed[0].compute_dtype or getattr(torch, dtype))
+        assert all((m.weight_onednn is not None) == (oned and m.prepack_dense) for m in packed)
+        assert all(hasattr(m, "weight") == (setting == "on" and m.weight_onednn is None) for m in packed)
+        key = f"{setting}-{prepack}"
+        out[key] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        weights[key] = llm.engine.memory.weights_bytes
         if setting == "on":
-            model = llm.engine.executor.worker.model_runner.model
-            assert weights["on"] == llm.engine.executor.worker.model_runner.weights_bytes()
+            assert weights[key] == llm.engine.executor.worker.model_runner.weights_bytes()
             extra = dense_copy_layers(model)[1]
-            layer = packed[0]
-            # activations arrive in the compute dtype: fp32 where the CPU emulates bf16 (AVX2 only)
+            layer = next(m for m in packed if m.prepack_dense)
             x_dtype = layer.compute_dtype or getattr(torch, dtype)
             x = torch.randn(layer.kernel_max_rows + 40, layer.in_features).to(x_dtype)
             with torch.inference_mode():
                 dense = layer(x)
-                layer.keep_dense = False  # the same layer through the unpacked buffer
+                keep, oned_w = layer.keep_dense, layer.weight_onednn
+                layer.keep_dense, layer.weight_onednn = False, None  # the same layer through the unpacked buffer
                 unpacked = layer(x)
-                layer.keep_dense = True
-            torch.testing.assert_close(dense, unpacked, rtol=0, atol=0)
-    assert out["on"] == out["off"]
-    assert weights["on"] - weights["off"] == extra > 0
+                layer.keep_dense, layer.weight_onednn = keep, oned_w
+            tol = 0 if oned_w is None else 1e-5 if x_dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(dense, unpacked, rtol=tol, atol=tol)
+    assert out["on-0"] == out["off-1"] == out["on-1"]
+    assert weights["on-0"] - weights["off-1"] == weights["on-1"] - weights["off-1"] == extra > 0

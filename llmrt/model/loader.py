@@ -132,8 +132,12 @@ def _choose_dense_copies(model: CausalLM, setting: str, device: torch.device) ->
         return  # nothing is packed: the layers keep their dense weights only
     _, total = device_memory_free_total(device)
     keep = keep_dense_copy(setting, extra, total)
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
     for m in layers:
         m.keep_dense = keep
+        m.prepack_dense = keep and uses[id(m.weight)] == 1  # a shared (tied) weight stays plain for its other user
     logger.info("dense weight copy (--dense-weight-copy %s): %s, %.1f MiB beside the packed weights", setting,
                 "kept for steps larger than the kernels take" if keep else "not kept (larger steps unpack)",
                 extra / (1 << 20) if keep else 0.0)

@@ -97,8 +97,9 @@ def _is_tensor_list(t: torch._C.Type) -> bool:
 
 
 def _storage(t: torch.Tensor) -> int:
-    """Where t's memory starts: parameters wrapped around a tensor, and views of it, share it."""
-    return t.untyped_storage().data_ptr()
+    """Where t's memory starts: parameters wrapped around a tensor, and views of it, share it. oneDNN's opaque
+    weights (linear.prepack_dense_copy) have no storage to ask and no views: the tensor itself."""
+    return id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
 
 
 class StepGraph:
