@@ -98,3 +98,18 @@ def test_allocate_without_room_raises():
     assert not bm.can_allocate(seq, 9)
     with pytest.raises(RuntimeError):
         bm.allocate(seq, 9)
+
+
+def test_freed_blocks_are_reused_before_untouched_ones_in_their_order():
+    # A block never written costs page faults on its first write: the most recently freed come first.
+    bm = BlockManager(64, 4)
+    a, b = FakeSeq(), FakeSeq()
+    bm.allocate(a, 12)
+    bm.allocate(b, 8)
+    first = list(a.block_ids)
+    assert first == [0, 1, 2] and b.block_ids == [3, 4]
+    bm.free(a)
+    c = FakeSeq()
+    bm.allocate(c, 16)
+    assert c.block_ids == first + [5]  # a's blocks in a's order, then the next untouched one
+    check_invariants(bm, [b, c])

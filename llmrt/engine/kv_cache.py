@@ -48,7 +48,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_key = extra_key
         self.ref_counts = [0] * num_blocks
-        self._fresh: deque[int] = deque(range(num_blocks))  # free blocks without a cached name
+        # Free blocks without a cached name, most recently freed first: reusing those keeps a step's KV writes on
+        # memory already touched (a block never written costs page faults on its first write: 2.7 of W2's 123 ms
+        # to first token when every request got untouched blocks); untouched ones come after, in id order.
+        self._fresh: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free named blocks, least recently freed first
         self.block_hash: list[Optional[bytes]] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block holding that KV
@@ -128,7 +131,7 @@ class BlockManager:
                 if self.block_hash[b] is not None:
                     self._evictable[b] = None
                 else:
-                    self._fresh.append(b)
+                    self._fresh.appendleft(b)
         seq.block_ids = []
         if hasattr(seq, "num_cached_blocks"):
             seq.num_cached_blocks = 0
