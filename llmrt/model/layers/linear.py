@@ -76,6 +76,11 @@ def pack_for_kernels(layer: "Linear", w: torch.Tensor, scale: Optional[torch.Ten
 # Rows oneDNN's weight reorder is tuned for: a batched decode step. Prefill-sized steps measured no slower with it
 # than with torch's GEMM on the plain copy (2048 rows: 0.96x).
 ONEDNN_BATCH_HINT = 64
+# Rows up to which our kernels still beat oneDNN on its prepacked weights (whole 124.7M model's linears, 2 threads,
+# AVX512-BF16, weights streamed from memory; ours / oneDNN ms): bf16 2 rows 5.0 / 8.8, 3 rows 6.2 / 7.4, 4 rows
+# 7.9 / 6.9, 8 rows 19.2 / 9.3, 64 rows 77.5 / 32.3; fp32 3 rows 11.6 / 11.9, 4 rows 14.4 / 11.2, 64 rows 80.5 /
+# 62.2. Our kernels' own limits (kernels.max_rows) were measured against torch's GEMM on plain weights.
+ONEDNN_KERNEL_MAX_ROWS = 3
 
 
 def onednn_prepack(dtype: torch.dtype) -> bool:
@@ -93,12 +98,14 @@ def prepack_dense_copy(layer: "Linear") -> None:
     """Replace `layer.weight`, the dense copy kept for steps larger than the kernels take, by the same weights in
     oneDNN's blocked layout (what vLLM's CPU build runs): torch's GEMM reorders a plain weight on every call.
     Measured on the 124.7M Llama, 2 threads, AVX512-BF16: one layer's GEMMs at 64 rows 0.89x, the LM head 0.81x,
-    W1 throughput +12% (bf16) and +9% (fp32). The copy is an nn.Parameter (memory plans count it); a recorded
-    step reads it as any other weight."""
+    W1 throughput +12% (bf16) and +9% (fp32). It also beats our kernels above 3 rows, so the layer's kernel rows
+    drop to ONEDNN_KERNEL_MAX_ROWS. The copy is an nn.Parameter (memory plans count it); a recorded step reads
+    it as any other weight."""
     w = layer.weight
     layer.weight_onednn = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.data, ONEDNN_BATCH_HINT),
                                        requires_grad=False)
     del layer.weight
+    layer.kernel_max_rows = min(layer.kernel_max_rows, ONEDNN_KERNEL_MAX_ROWS)
 
 
 def register_packed_bias(layer: "Linear") -> None:
