@@ -15,6 +15,7 @@ from tests.conftest import requires_compiler
 
 pytestmark = requires_compiler
 HAS_BF16DOT = kernel_isa() == "avx512" and "avx512_bf16" in cpu_flags()
+BRANCHES = [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_BF16DOT, reason="no AVX512-BF16 here"))]
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int) -> torch.Tensor:
@@ -33,6 +34,15 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     return torch.einsum("hnt,thd->nhd", p, vs)
 
 
+@contextlib.contextmanager
+def _bf16dot(on: bool):
+    before = load_kernel().set_bf16dot(on)
+    try:
+        yield
+    finally:
+        load_kernel().set_bf16dot(before)
+
+
 # (queries, context, window, heads, kv heads, head dim): spans longer than a work unit's 32 positions, spans after
 # earlier chunks of their sequence (context > queries), sliding windows inside and across key blocks, MHA and GQA,
 # head dims from 16 to 256, single-token spans.
@@ -49,19 +59,24 @@ def _qkv(n: int, ctx: int, heads: int, kv_heads: int, dim: int, dtype: torch.dty
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"n{c[0]}-ctx{c[1]}-w{c[2]}-h{c[3]}/{c[4]}-d{c[5]}" for c in CASES])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_prefill_attention_matches_float64(case, dtype):
+@pytest.mark.parametrize("dtype,bf16dot", [(torch.float32, False), (torch.bfloat16, False),
+                                           pytest.param(torch.bfloat16, True, marks=pytest.mark.skipif(
+                                               not HAS_BF16DOT, reason="no AVX512-BF16 here"))],
+                         ids=["f32", "bf16-fma", "bf16-vdpbf16ps"])
+def test_prefill_attention_matches_float64(case, dtype, bf16dot):
     n, ctx, window, heads, kv_heads, dim = case
     if not load_kernel().prefill_supports(dim):
         pytest.skip(f"head dim {dim} is not a multiple of this build's vector width")
     q, k, v = _qkv(n, ctx, heads, kv_heads, dim, dtype, n + ctx)
-    got = prefill_attention(q, k, v, dim ** -0.5, window)
+    with _bf16dot(bf16dot):
+        got = prefill_attention(q, k, v, dim ** -0.5, window)
     want = _reference(q, k, v, dim ** -0.5, window)
     assert got.dtype == dtype and got.shape == q.shape
     # float32: summation order only; bf16: the output's own rounding (2^-9 relative)
     atol, rtol = (2e-5, 1e-4) if dtype == torch.float32 else (1e-2, 1e-2)
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
-    contiguous = prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), dim ** -0.5, window)
+    with _bf16dot(bf16dot):
+        contiguous = prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), dim ** -0.5, window)
     assert torch.equal(got, contiguous)
 
 
@@ -70,22 +85,25 @@ class _Layer:
 
 
 def test_prefill_attention_is_as_accurate_as_torch_sdpa():
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, bf16dot in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, HAS_BF16DOT)):
         q, k, v = _qkv(300, 300, 12, 4, 64, dtype, 0)
         want = _reference(q, k, v, 0.125, 0)
-        ours = (prefill_attention(q, k, v, 0.125, 0).double() - want).abs().mean()
+        with _bf16dot(bf16dot):
+            ours = (prefill_attention(q, k, v, 0.125, 0).double() - want).abs().mean()
         sdpa = (TorchAttentionBackend._prefill(_Layer, q, k, v, None).double() - want).abs().mean()
-        assert ours < 1.2 * sdpa, (dtype, ours, sdpa)
+        assert ours < 1.2 * sdpa, (dtype, bf16dot, ours, sdpa)
 
 
-def test_prefill_attention_does_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("bf16dot", BRANCHES, ids=["fma", "vdpbf16ps"])
+def test_prefill_attention_does_not_depend_on_the_thread_count(bf16dot):
     q, k, v = _qkv(130, 200, 12, 4, 64, torch.bfloat16, 3)
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = prefill_attention(q, k, v, 0.125, 0)
-        torch.set_num_threads(2)
-        assert torch.equal(one, prefill_attention(q, k, v, 0.125, 0))
+        with _bf16dot(bf16dot):
+            torch.set_num_threads(1)
+            one = prefill_attention(q, k, v, 0.125, 0)
+            torch.set_num_threads(2)
+            assert torch.equal(one, prefill_attention(q, k, v, 0.125, 0))
     finally:
         torch.set_num_threads(before)
 
@@ -120,15 +138,6 @@ def test_prefill_attention_refuses_bad_shapes_clearly():
         op(torch.randn(4, 4, 64), torch.randn(4, 2, 64).bfloat16(), torch.randn(4, 2, 64), 0.125, 0)
 
 
-@contextlib.contextmanager
-def _bf16dot(on: bool):
-    before = load_kernel().set_bf16dot(on)
-    try:
-        yield
-    finally:
-        load_kernel().set_bf16dot(before)
-
-
 def _decode_case(dim: int, n: int = 24, seed: int = 5):
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads, bs = 12, 4, 16
@@ -141,7 +150,6 @@ def _decode_case(dim: int, n: int = 24, seed: int = 5):
     return q, k_cache, v_cache, tables, lens
 
 
-BRANCHES = [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_BF16DOT, reason="no AVX512-BF16 here"))]
 
 
 @pytest.mark.parametrize("bf16dot", BRANCHES, ids=["fma", "vdpbf16ps"])

@@ -54,7 +54,7 @@ class AttentionKernels:
     cache_write: Callable[..., None]  # (k, v, slots, k_cache, v_cache)
     prefill_attention: Callable[..., torch.Tensor]  # (q, k, v, scale, window) -> out, one causal span
     prefill_supports: Callable[[int], bool]  # whether prefill_attention takes this head dim in this build
-    set_bf16dot: Callable[[bool], bool]  # the bf16 K pass by vdpbf16ps on or off; returns the previous setting
+    set_bf16dot: Callable[[bool], bool]  # bf16 scores (decode K pass, prefill) by vdpbf16ps on or off; returns before
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,7 +73,7 @@ def load_kernel() -> Optional[AttentionKernels]:
     ns = torch.ops.llmrt_attn
     kernels = AttentionKernels(ns.paged_decode.default, ns.paged_decode_write.default, ns.cache_write.default,
                                ns.prefill_attention.default, ns.prefill_supports.default, ns.set_bf16dot.default)
-    # vdpbf16ps for bf16 K passes where the capability table says the CPU has it (the AVX-512 build only)
+    # vdpbf16ps for bf16 scores (decode and prefill) where the capability table says the CPU has it (AVX-512 build)
     kernels.set_bf16dot(kernel_isa() == "avx512" and "avx512_bf16" in cpu_flags())
     return kernels
 
@@ -156,7 +156,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
     torch's CPU flash SDPA ran the 64-512 token spans of a batched prefill at 30-80 GFLOP/s on 2 cores, and two
     float32 bmms around a softmax at 30-55; the fused kernel keeps a tile of query rows' scores, running softmax
-    and outputs in registers, block by block of keys (float32 throughout, the output rounded once).
+    and outputs in registers, block by block of keys (float32 throughout, the output rounded once; bf16 scores by
+    vdpbf16ps where set_bf16dot is on: 0.88x the time, products exact in float32).
     """
     kernels = load_kernel()
     if kernels is None or os.environ.get("LLMRT_PREFILL_ATTENTION", "1").lower() in ("0", "off"):

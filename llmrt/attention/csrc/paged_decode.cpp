@@ -143,9 +143,14 @@ inline vf sum_rows(vf* v, const RowMasks& mk) {
   return v[0];
 }
 
-// Whether bf16 x bf16 K passes use AVX512-BF16's vdpbf16ps: set once by the loader from the capability table
-// (hardware.cpu_has_native_bf16), and by tests to cover both branches.
-bool g_bf16dot = false;
+}  // namespace
+
+// Whether bf16 x bf16 K passes (decode here, prefill's scores in prefill_attention.cpp) use AVX512-BF16's
+// vdpbf16ps: set once by the loader from the capability table, and by tests to cover both branches.
+bool llmrt_attn_bf16dot = false;
+
+namespace {
+bool& g_bf16dot = llmrt_attn_bf16dot;
 
 #if defined(LLMRT_AVX512)
 // The K pass of a bf16 query over a bf16 cache with vdpbf16ps: each lane takes a pair of bf16 products straight

@@ -22,8 +22,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "../../kernels/csrc/vec_lanes.h"
+
+extern bool llmrt_attn_bf16dot;  // paged_decode.cpp: the vdpbf16ps score path on or off (set_bf16dot)
 
 namespace {
 
@@ -54,6 +57,7 @@ inline float hsum(vf x) {
 }
 
 // [ctx, KVH, D] (row stride `rs`) -> kt [KVH][blocks][D][L] and vf [KVH][blocks * L][D], float32, zero-padded.
+// (kt == nullptr: V only.)
 template <typename T>
 void convert_kv(const T* k, const T* v, int64_t k_rs, int64_t v_rs, int64_t ctx, int64_t kv_heads, int64_t d,
                 float* kt, float* vv) {
@@ -61,17 +65,21 @@ void convert_kv(const T* k, const T* v, int64_t k_rs, int64_t v_rs, int64_t ctx,
   at::parallel_for(0, kv_heads * blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t h = u / blocks, b = u % blocks;
-      float* kb = kt + (h * blocks + b) * d * L;
+      float* kb = kt != nullptr ? kt + (h * blocks + b) * d * L : nullptr;
       float* vb = vv + (h * blocks + b) * L * d;
       for (int64_t j = 0; j < L; ++j) {
         const int64_t t = b * L + j;
         if (t < ctx) {
           const T* kr = k + t * k_rs + h * d;
           const T* vr = v + t * v_rs + h * d;
-          for (int64_t i = 0; i < d; ++i) kb[i * L + j] = to_float(kr[i]);
+          if (kb != nullptr) {
+            for (int64_t i = 0; i < d; ++i) kb[i * L + j] = to_float(kr[i]);
+          }
           for (int64_t i = 0; i < d; ++i) vb[j * d + i] = to_float(vr[i]);
         } else {
-          for (int64_t i = 0; i < d; ++i) kb[i * L + j] = 0.f;
+          if (kb != nullptr) {
+            for (int64_t i = 0; i < d; ++i) kb[i * L + j] = 0.f;
+          }
           std::memset(vb + j * d, 0, d * sizeof(float));
         }
       }
@@ -79,10 +87,50 @@ void convert_kv(const T* k, const T* v, int64_t k_rs, int64_t v_rs, int64_t ctx,
   });
 }
 
+#if defined(LLMRT_AVX512)
+// bf16 K as vdpbf16ps takes it: kp [KVH][blocks][D/2][L][2], the pair (d, d+1) of each of a block's L keys.
+void convert_k_pairs(const c10::BFloat16* k, int64_t k_rs, int64_t ctx, int64_t kv_heads, int64_t d, uint16_t* kp) {
+  const int64_t blocks = (ctx + L - 1) / L;
+  at::parallel_for(0, kv_heads * blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t h = u / blocks, b = u % blocks;
+      uint16_t* kb = kp + (h * blocks + b) * d * L;
+      for (int64_t j = 0; j < L; ++j) {
+        const int64_t t = b * L + j;
+        const uint16_t* kr = reinterpret_cast<const uint16_t*>(k + t * k_rs + h * d);
+        for (int64_t i = 0; i < d / 2; ++i) {
+          kb[(i * L + j) * 2] = t < ctx ? kr[2 * i] : 0;
+          kb[(i * L + j) * 2 + 1] = t < ctx ? kr[2 * i + 1] : 0;
+        }
+      }
+    }
+  });
+}
+
+// A block's scores of R bf16 query rows (q: R x D/2 pairs as uint32) by vdpbf16ps: products exact in float32,
+// half the instructions of the FMA path over float32 K.
+template <int64_t NDV, int64_t R>
+__attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq"))) void scores_bf16dot(
+    const uint32_t* q, const uint16_t* kb, vf* s) {
+  constexpr int64_t DP = NDV * L / 2;
+  __m512 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < DP; ++i) {
+    const __m512i kv = _mm512_loadu_si512(kb + i * 2 * L);
+    for (int64_t r = 0; r < R; ++r) {
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * DP + i])), (__m512bh)kv);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) s[r] = (vf)acc[r];
+}
+#endif
+
 // One register tile of R query rows (NDV = D / L vectors each) against keys [0, hi_max) of one KV head.
 // q: R rows of D floats, already scaled; pos/lo/hi per row: visible keys [lo, hi). Writes O / l to out.
+// bf16 pairs (qp, kp: the bf16dot path, scores scaled after) when qp is set, else q pre-scaled against kt.
 template <int64_t NDV, int64_t R>
-void tile(const float* q, const int64_t* lo, const int64_t* hi, const float* kt, const float* vv, float* out) {
+void tile(const float* q, const uint32_t* qp, float scale, const int64_t* lo, const int64_t* hi, const float* kt,
+          const uint16_t* kp, const float* vv, float* out) {
   constexpr int64_t D = NDV * L;
   vf acc[R][NDV];
   float m[R], l[R];
@@ -97,12 +145,20 @@ void tile(const float* q, const int64_t* lo, const int64_t* hi, const float* kt,
   for (int64_t j = 0; j < L; ++j) lane[j] = static_cast<int32_t>(j);
   alignas(64) float p[R][L];
   for (int64_t b = lo_min / L; b * L < hi_max; ++b) {
-    const float* kb = kt + b * D * L;
     vf s[R];
-    for (int64_t r = 0; r < R; ++r) s[r] = vf{};
-    for (int64_t i = 0; i < D; ++i) {
-      const vf kv = vload(kb + i * L);
-      for (int64_t r = 0; r < R; ++r) s[r] += q[r * D + i] * kv;
+#if defined(LLMRT_AVX512)
+    if (qp != nullptr) {
+      scores_bf16dot<NDV, R>(qp, kp + b * D * L, s);
+      for (int64_t r = 0; r < R; ++r) s[r] *= scale;
+    } else
+#endif
+    {
+      const float* kb = kt + b * D * L;
+      for (int64_t r = 0; r < R; ++r) s[r] = vf{};
+      for (int64_t i = 0; i < D; ++i) {
+        const vf kv = vload(kb + i * L);
+        for (int64_t r = 0; r < R; ++r) s[r] += q[r * D + i] * kv;
+      }
     }
     const int64_t k0 = b * L;
     for (int64_t r = 0; r < R; ++r) {
@@ -147,8 +203,8 @@ void tile(const float* q, const int64_t* lo, const int64_t* hi, const float* kt,
 }
 
 template <int64_t NDV, typename T>
-void attend(const T* q, int64_t q_rs, T* out, const float* kt, const float* vv, int64_t n, int64_t ctx, int64_t heads,
-            int64_t kv_heads, float scale, int64_t window) {
+void attend(const T* q, int64_t q_rs, T* out, const float* kt, const uint16_t* kp, const float* vv, int64_t n,
+            int64_t ctx, int64_t heads, int64_t kv_heads, float scale, int64_t window) {
   constexpr int64_t D = NDV * L;
   const int64_t group = heads / kv_heads, offset = ctx - n, blocks = (ctx + L - 1) / L;
   const int64_t chunks = (n + POS_CHUNK - 1) / POS_CHUNK, units = chunks * kv_heads;
@@ -160,6 +216,8 @@ void attend(const T* q, int64_t q_rs, T* out, const float* kt, const float* vv, 
     const int64_t i0 = chunk * POS_CHUNK, i1 = std::min(n, i0 + POS_CHUNK);
     const int64_t rows = (i1 - i0) * group;
     const float* kth = kt + h * blocks * D * L;
+    const uint16_t* kph = kp != nullptr ? kp + h * blocks * D * L : nullptr;
+    alignas(64) uint32_t qpt[R * D / 2];
     const float* vh_ = vv + h * blocks * L * D;
     alignas(64) float qt[R * D];
     alignas(64) float ot[R * D];
@@ -169,12 +227,16 @@ void attend(const T* q, int64_t q_rs, T* out, const float* kt, const float* vv, 
         const int64_t row = std::min(t + r, rows - 1);  // a short last tile repeats its last row
         const int64_t i = i0 + row / group, head = h * group + row % group;
         const T* qr = q + i * q_rs + head * D;
-        for (int64_t x = 0; x < D; ++x) qt[r * D + x] = to_float(qr[x]) * scale;
+        if (kph != nullptr) {
+          std::memcpy(qpt + r * D / 2, qr, D * sizeof(T));  // bf16: D/2 pairs, unscaled (bf16dot path)
+        } else {
+          for (int64_t x = 0; x < D; ++x) qt[r * D + x] = to_float(qr[x]) * scale;
+        }
         const int64_t pos = offset + i;
         hi[r] = pos + 1;
         lo[r] = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
       }
-      tile<NDV, R>(qt, lo, hi, kth, vh_, ot);
+      tile<NDV, R>(qt, kph != nullptr ? qpt : nullptr, scale, lo, hi, kth, kph, vh_, ot);
       for (int64_t r = 0; r < R && t + r < rows; ++r) {
         const int64_t row = t + r;
         const int64_t i = i0 + row / group, head = h * group + row % group;
@@ -188,12 +250,22 @@ template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, float* kt, float* vv,
          float scale, int64_t window) {
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), ctx = k.size(0), kv_heads = k.size(1);
-  convert_kv(k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0), ctx, kv_heads, d, kt, vv);
+  const uint16_t* kp = nullptr;
+#if defined(LLMRT_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (llmrt_attn_bf16dot && (d / L) % 2 == 0) {  // a whole number of 512-bit pair vectors per row: D % 32 == 0
+      // no float32 K on this path: kt's space holds the pairs
+      convert_k_pairs(k.data_ptr<c10::BFloat16>(), k.stride(0), ctx, kv_heads, d, reinterpret_cast<uint16_t*>(kt));
+      kp = reinterpret_cast<const uint16_t*>(kt);
+    }
+  }
+#endif
+  convert_kv(k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0), ctx, kv_heads, d, kp ? nullptr : kt, vv);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   switch (d / L) {
 #define LLMRT_ATTEND(NDV) \
-  case NDV: attend<NDV, T>(qp, q.stride(0), op, kt, vv, n, ctx, heads, kv_heads, scale, window); break;
+  case NDV: attend<NDV, T>(qp, q.stride(0), op, kt, kp, vv, n, ctx, heads, kv_heads, scale, window); break;
     LLMRT_ATTEND(1) LLMRT_ATTEND(2) LLMRT_ATTEND(4) LLMRT_ATTEND(8) LLMRT_ATTEND(16)
 #undef LLMRT_ATTEND
     default: TORCH_CHECK(false, "prefill_attention: head dim ", d, " is not supported");
