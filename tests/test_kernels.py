@@ -361,3 +361,20 @@ def test_dense_copy_serves_large_steps_with_the_same_results(dtype, embedded_mod
             torch.testing.assert_close(dense, unpacked, rtol=tol, atol=tol)
     assert out["on-0"] == out["off-1"] == out["on-1"]
     assert weights["on-0"] - weights["off-1"] == weights["on-1"] - weights["off-1"] == extra > 0
+
+
+def test_a_refused_onednn_prepack_keeps_the_plain_copy(embedded_model_dir, monkeypatch, caplog):
+    """Where oneDNN refuses a reorder (e.g. capped below the CPU's ISA) the layers keep their plain dense copies,
+    with one warning, and generate as before."""
+    def refuse(w, hint):
+        raise RuntimeError("mkldnn_reorder_linear_weight: refused for the test")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    monkeypatch.setattr("llmrt.model.layers.linear._PREPACK_REFUSED", set())
+    with caplog.at_level("WARNING", logger="llmrt.model.layers.linear"):
+        llm = LLM(dtype="float32", dense_weight_copy="on", max_num_seqs=8)
+    packed = [m for m in _linears(llm) if m.packed is not None]
+    assert packed and all(m.weight_onednn is None and hasattr(m, "weight") for m in packed)
+    assert len([r for r in caplog.records if "cannot prepack" in r.message]) == 1
+    out = llm.generate(["Once upon a time"] * 6, SamplingParams(max_tokens=4, temperature=0))
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)

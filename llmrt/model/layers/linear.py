@@ -1,6 +1,7 @@
 """Linear layers: plain and fused (several HF projections stored as one matmul), computed by a LinearMethod."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from llmrt.model.layers.weights import (CheckpointTensor, as_checkpoint_tensor, 
 
 if TYPE_CHECKING:
     from llmrt.model.quantization.base import QuantizationConfig
+
+logger = logging.getLogger(__name__)
 
 
 class _UpcastWorkspace:
@@ -81,6 +84,7 @@ ONEDNN_BATCH_HINT = 64
 # 7.9 / 6.9, 8 rows 19.2 / 9.3, 64 rows 77.5 / 32.3; fp32 3 rows 11.6 / 11.9, 4 rows 14.4 / 11.2, 64 rows 80.5 /
 # 62.2. Our kernels' own limits (kernels.max_rows) were measured against torch's GEMM on plain weights.
 ONEDNN_KERNEL_MAX_ROWS = 3
+_PREPACK_REFUSED: set[torch.dtype] = set()  # dtypes whose refusal was logged (once per process)
 
 
 def onednn_prepack(dtype: torch.dtype) -> bool:
@@ -98,12 +102,20 @@ def prepack_dense_copy(layer: "Linear") -> None:
     """Replace `layer.weight`, the dense copy kept for steps larger than the kernels take, by the same weights in
     oneDNN's blocked layout (what vLLM's CPU build runs): torch's GEMM reorders a plain weight on every call.
     Measured on the 124.7M Llama, 2 threads, AVX512-BF16: one layer's GEMMs at 64 rows 0.89x, the LM head 0.81x,
-    W1 throughput +12% (bf16) and +9% (fp32). It also beats our kernels above 3 rows, so the layer's kernel rows
-    drop to ONEDNN_KERNEL_MAX_ROWS. The copy is an nn.Parameter (memory plans count it); a recorded step reads
+    W1 throughput +12% (bf16) and +9% (fp32). It also beats our kernels above 3 rows (also with oneDNN capped
+    to AVX2: fp32 3 rows 18.5 vs 19.3 ms, 6 rows 24.0 vs 21.9), so the layer's kernel rows drop to
+    ONEDNN_KERNEL_MAX_ROWS. The copy is an nn.Parameter (memory plans count it); a recorded step reads
     it as any other weight."""
     w = layer.weight
-    layer.weight_onednn = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.data, ONEDNN_BATCH_HINT),
-                                       requires_grad=False)
+    try:
+        prepacked = torch.ops.mkldnn._reorder_linear_weight(w.data, ONEDNN_BATCH_HINT)
+    except RuntimeError as e:  # a oneDNN capped below the CPU's ISA (ONEDNN_MAX_CPU_ISA) refuses bf16 here
+        if w.dtype not in _PREPACK_REFUSED:
+            _PREPACK_REFUSED.add(w.dtype)
+            logger.warning("oneDNN cannot prepack %s weights (%s); their plain dense copies are kept", w.dtype,
+                           str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        return
+    layer.weight_onednn = nn.Parameter(prepacked, requires_grad=False)
     del layer.weight
     layer.kernel_max_rows = min(layer.kernel_max_rows, ONEDNN_KERNEL_MAX_ROWS)
 
