@@ -2,7 +2,8 @@
 
 Runs the offline LLM on the peers' model, then profiles `steps` engine steps with torch.profiler, with ranges
 around the parts: scheduler, input preparation (runner._prepare), model forward, attention backend, sampler,
-output processing. Reported per step: GEMMs (aten::linear, inclusive, plus llmrt's linear kernels), the fused
+output processing. Reported per step: GEMMs (aten::linear, inclusive, plus llmrt's linear kernels and oneDNN's
+linear on prepacked weights), the fused
 layer ops (llmrt_fused_*), attention (backend forward, of which KV
 writes = index_copy_ and KV gathers = index_select), sampling, input preparation, and the rest of the step
 (Python and scheduler overhead, norms/rotary/activations), plus the counts of tensor allocations (aten::empty*) and
@@ -53,8 +54,10 @@ def breakdown(llm: LLM, steps: int) -> dict:
     def ms(key: str) -> float:
         return ev[key].cpu_time_total / 1e3 / steps if key in ev else 0.0
     allocs = sum(e.count for k, e in ev.items() if k.startswith("aten::empty")) / steps
-    # llmrt's own GEMV kernels (torch.ops.llmrt_<isa>.linear_*) are called directly, not through aten::linear.
-    gemm = ms("aten::linear") + sum(ms(k) for k in ev if k.startswith("llmrt_") and "::linear_" in k)
+    # llmrt's own GEMV kernels (torch.ops.llmrt_<isa>.linear_*) and oneDNN on prepacked dense copies
+    # (mkldnn::_linear_pointwise) are called directly, not through aten::linear.
+    gemm = ms("aten::linear") + ms("mkldnn::_linear_pointwise") + sum(
+        ms(k) for k in ev if k.startswith("llmrt_") and "::linear_" in k)
     fused = sum(ms(k) for k in ev if k.startswith("llmrt_fused"))
     ops = sum(e.count for k, e in ev.items() if "::" in k and not k.startswith("#")) / steps
     parts = {"step_wall_ms": wall * 1e3 / steps, "profiled_step_ms": ms("#step"), "gemm_ms": gemm,
