@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 PREFILL_SOURCE = Path(__file__).parent / "csrc" / "prefill_attention.cpp"
 VEC_LANES = Path(__file__).parents[1] / "kernels" / "csrc" / "vec_lanes.h"  # SOURCE includes it: in the build key
+COMMON = Path(__file__).parent / "csrc" / "attention_common.h"  # both sources include it
 # No -ffast-math: results must not depend on how many sequences share a step (the vector path's sums are in a
 # fixed order; the reference loop's `omp simd` reductions vectorize under -fopenmp alone).
 _CFLAGS = ["-O3", "-fopenmp"]
@@ -63,7 +64,8 @@ def load_kernel() -> Optional[AttentionKernels]:
     if os.environ.get("LLMRT_ATTENTION_KERNEL", "1").lower() in ("0", "off"):
         return None
     try:
-        b = load_or_compile("attention", "llmrt_paged_decode", [SOURCE, PREFILL_SOURCE], _cflags(), [VEC_LANES])
+        b = load_or_compile("attention", "llmrt_paged_decode", [SOURCE, PREFILL_SOURCE], _cflags(),
+                           [VEC_LANES, COMMON])
     except Exception as e:  # no compiler or ninja: the torch backend still works
         logger.warning("cpu_paged attention kernel unavailable (%s: %s); using the torch backend",
                        type(e).__name__, (str(e).strip().splitlines() or [""])[-1])
@@ -159,10 +161,18 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     and outputs in registers, block by block of keys (float32 throughout, the output rounded once; bf16 scores by
     vdpbf16ps where set_bf16dot is on: 0.88x the time, products exact in float32).
     """
+    kernel = prefill_kernel(q.shape[-1])
+    if kernel is None or q.dtype not in _FLOAT or k.dtype != q.dtype or v.dtype != q.dtype:
+        return None
+    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (q, k, v))
+    return kernel(q, k, v, scale, window)
+
+
+@functools.lru_cache(maxsize=None)
+def prefill_kernel(head_dim: int) -> Optional[Callable[..., torch.Tensor]]:
+    """The fused prefill op for this head dim, or None (no kernel, a head dim it does not take in this build, or
+    LLMRT_PREFILL_ATTENTION=0): decided once, not per span and layer."""
     kernels = load_kernel()
     if kernels is None or os.environ.get("LLMRT_PREFILL_ATTENTION", "1").lower() in ("0", "off"):
         return None
-    if q.dtype not in _FLOAT or k.dtype != q.dtype or v.dtype != q.dtype or not kernels.prefill_supports(q.shape[-1]):
-        return None
-    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (q, k, v))
-    return kernels.prefill_attention(q, k, v, scale, window)
+    return kernels.prefill_attention if kernels.prefill_supports(head_dim) else None

@@ -16,7 +16,7 @@ from llmrt.config import ModelConfig
 from llmrt.errors import ModelLoadError
 from llmrt.hardware import compute_dtype, device_memory_free_total, native_half_max_rows
 from llmrt.model.gguf_file import gguf_tensors, is_gguf
-from llmrt.model.layers.linear import Linear, dense_copy_layers
+from llmrt.model.layers.linear import Linear, dense_copy_layers, parameter_uses
 from llmrt.model.layers.norms import LayerNorm, RMSNorm
 from llmrt.model.models.base import CausalLM
 from llmrt.model.layers.weights import CheckpointTensor, weight_loader_of
@@ -132,9 +132,7 @@ def _choose_dense_copies(model: CausalLM, setting: str, device: torch.device) ->
         return  # nothing is packed: the layers keep their dense weights only
     _, total = device_memory_free_total(device)
     keep = keep_dense_copy(setting, extra, total)
-    uses: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
+    uses = parameter_uses(model)
     for m in layers:
         m.keep_dense = keep
         m.prepack_dense = keep and uses[id(m.weight)] == 1  # a shared (tied) weight stays plain for its other user

@@ -22,17 +22,11 @@
 #include <immintrin.h>
 #endif
 
-#include "../../kernels/csrc/vec_lanes.h"
+#include "attention_common.h"
 
 namespace {
 
-using ::vload;  // vec_lanes.h's float overload beside this file's own
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
-inline void to_out(float* o, float x) { *o = x; }
-inline void to_out(c10::BFloat16* o, float x) { *o = c10::BFloat16(x); }
+using namespace llmrt_attn_common;
 
 // The reference loop, for head dimensions the vector path does not take.
 // Q: the query and output type (float or bf16: converted here, so the caller makes no float copies).
@@ -96,20 +90,6 @@ void decode_generic(const Q* q_in, const KV* k_cache, const KV* v_cache, const i
   });
 }
 
-constexpr int64_t L = LANES;  // vector lanes (vec_lanes.h)
-
-inline vf vload(const c10::BFloat16* p) { return vload(reinterpret_cast<const uint16_t*>(p)); }
-// A fixed tree over the lanes (no -ffast-math: the order must not depend on the loop around it, so that a
-// sequence's result is the same whether its step has many sequences or few).
-inline float hsum(vf v) {
-  float part[L];
-  std::memcpy(part, &v, sizeof(v));
-  for (int64_t w = L / 2; w > 0; w /= 2) {
-    for (int64_t i = 0; i < w; ++i) part[i] += part[i + w];
-  }
-  return part[0];
-}
-
 inline vf vexp(vf x) { return exp_poly<vf, vi>(x); }
 
 constexpr int LOG_L = L == 16 ? 4 : L == 8 ? 3 : 2;
@@ -155,12 +135,9 @@ inline void prefetch_v_row(const KV* row, int64_t bytes) {
 
 }  // namespace
 
-// Whether bf16 x bf16 K passes (decode here, prefill's scores in prefill_attention.cpp) use AVX512-BF16's
-// vdpbf16ps: set once by the loader from the capability table, and by tests to cover both branches.
-bool llmrt_attn_bf16dot = false;
+bool llmrt_attn_bf16dot = false;  // attention_common.h
 
 namespace {
-bool& g_bf16dot = llmrt_attn_bf16dot;
 
 #if defined(LLMRT_AVX512)
 // The K pass of a bf16 query over a bf16 cache with vdpbf16ps: each lane takes a pair of bf16 products straight
@@ -204,13 +181,13 @@ __attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq"))) void k_
 #endif
 
 // Runs the vdpbf16ps K pass and returns true where it applies (AVX-512 build, bf16 query and cache, head_dim a
-// multiple of 32, g_bf16dot set); false: the caller's FMA K pass.
+// multiple of 32, llmrt_attn_bf16dot set); false: the caller's FMA K pass.
 template <int NC, typename KV, typename Q>
 bool k_pass_bf16dot(const Q* qin, const KV* k_cache, const KV* v_cache, const int64_t* offs, int64_t n, int64_t per,
                     int64_t group, float sc, float* scores, int64_t np, vf* dots, const RowMasks& masks) {
 #if defined(LLMRT_AVX512)
   if constexpr (std::is_same_v<KV, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16> && NC % 2 == 0 && L == 16) {
-    if (g_bf16dot && per * group <= 64) {
+    if (llmrt_attn_bf16dot && per * group <= 64) {
       k_pass_bf16dot_impl<NC>(qin, k_cache, v_cache, offs, n, per, group, sc, scores, np, dots, masks);
       return true;
     }
@@ -523,8 +500,8 @@ at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at
 
 // Turns the vdpbf16ps K pass on or off (the loader: from the capability table); returns the previous setting.
 bool set_bf16dot(bool on) {
-  const bool before = g_bf16dot;
-  g_bf16dot = on;
+  const bool before = llmrt_attn_bf16dot;
+  llmrt_attn_bf16dot = on;
   return before;
 }
 

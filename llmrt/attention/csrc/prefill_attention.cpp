@@ -24,13 +24,11 @@
 #include <limits>
 #include <type_traits>
 
-#include "../../kernels/csrc/vec_lanes.h"
-
-extern bool llmrt_attn_bf16dot;  // paged_decode.cpp: the vdpbf16ps score path on or off (set_bf16dot)
+#include "attention_common.h"
 
 namespace {
 
-constexpr int64_t L = LANES;
+using namespace llmrt_attn_common;
 constexpr int64_t POS_CHUNK = 32;  // query positions per work unit (x the group's heads = rows)
 // Query rows per register tile: the scores' R accumulators, then one output vector of each row at a time, so R
 // does not grow with the head dim. Measured (2 threads, D 64): R 4 / 6 / 8 at 111 / 132 / 131 GFLOP/s with
@@ -38,23 +36,6 @@ constexpr int64_t POS_CHUNK = 32;  // query positions per work unit (x the group
 constexpr int64_t R = 8;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline void store_row(float* o, const float* x, int64_t d) { std::memcpy(o, x, d * sizeof(float)); }
-inline void store_row(c10::BFloat16* o, const float* x, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) o[i] = c10::BFloat16(x[i]);  // round to nearest even
-}
-
-inline float hmax(vf x) {
-  float m = x[0];
-  for (int64_t i = 1; i < L; ++i) m = std::max(m, x[i]);
-  return m;
-}
-inline float hsum(vf x) {
-  float s = 0.f;
-  for (int64_t i = 0; i < L; ++i) s += x[i];
-  return s;
-}
 
 // [ctx, KVH, D] (row stride `rs`) -> kt [KVH][blocks][D][L] and vf [KVH][blocks * L][D], float32, zero-padded.
 // (kt == nullptr: V only.)
@@ -240,7 +221,8 @@ void attend(const T* q, int64_t q_rs, T* out, const float* kt, const uint16_t* k
       for (int64_t r = 0; r < R && t + r < rows; ++r) {
         const int64_t row = t + r;
         const int64_t i = i0 + row / group, head = h * group + row % group;
-        store_row(out + (i * heads + head) * D, ot + r * D, D);
+        T* o = out + (i * heads + head) * D;
+        for (int64_t x = 0; x < D; ++x) to_out(o + x, ot[r * D + x]);
       }
     }
   }

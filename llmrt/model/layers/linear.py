@@ -130,14 +130,19 @@ def register_packed_bias(layer: "Linear") -> None:
 def dense_copy_layers(model: nn.Module) -> tuple[list["Linear"], int]:
     """`model`'s unquantized fp32/bf16 Linears (the ones packed for the kernels on CPU) and the bytes their dense
     weights take beside the packed layout (a weight shared with another module, a tied LM head's, adds none)."""
+    uses = parameter_uses(model)
+    layers = [m for m in model.modules() if isinstance(m, Linear) and type(m.method) is UnquantizedLinearMethod
+              and _dense_copy(m).dtype in (torch.float32, torch.bfloat16)]
+    copies = [_dense_copy(m) for m in layers]
+    return layers, sum(w.numel() * w.element_size() for w in copies if uses[id(w)] == 1)
+
+
+def parameter_uses(model: nn.Module) -> dict[int, int]:
+    """id(parameter) -> how many module attributes hold it (2 for a weight tied between two modules)."""
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
-    layers = [m for m in model.modules() if isinstance(m, Linear) and type(m.method) is UnquantizedLinearMethod
-              and _dense_copy(m).dtype in (torch.float32, torch.bfloat16)]
-    extra = sum(_dense_copy(m).numel() * _dense_copy(m).element_size() for m in layers
-                if uses[id(_dense_copy(m))] == 1)
-    return layers, extra
+    return uses
 
 
 def _dense_copy(layer: "Linear") -> torch.Tensor:
