@@ -338,8 +338,11 @@ def test_dense_copy_serves_large_steps_with_the_same_results(dtype, embedded_mod
         packed = [m for m in layers if m.packed is not None]
         assert packed and all(m.keep_dense == (setting == "on") for m in packed)
         model = llm.engine.executor.worker.model_runner.model
-        # activations arrive in the compute dtype: fp32 where the CPU emulates bf16 (AVX2 only)
-        oned = setting == "on" and prepack == "1" and onednn_prepack(packed[0].compute_dtype or getattr(torch, dtype))
+        # prepacked where oneDNN computes the weights' dtype and activations arrive in it; where the CPU emulates
+        # bf16 (AVX2 only) they arrive in fp32 and the bf16 copy stays plain (an fp32 one would double its bytes)
+        w_dtype = getattr(torch, dtype)
+        oned = setting == "on" and prepack == "1" and onednn_prepack(w_dtype) \
+            and packed[0].compute_dtype in (None, w_dtype)
         assert all((m.weight_onednn is not None) == (oned and m.prepack_dense) for m in packed)
         assert all(hasattr(m, "weight") == (setting == "on" and m.weight_onednn is None) for m in packed)
         key = f"{setting}-{prepack}"

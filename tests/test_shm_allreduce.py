@@ -59,6 +59,10 @@ def _rank(rank: int, port: int, scenario: str, timeout_s: float, out) -> None:
         else:
             comm.all_reduce(torch.ones(4))  # both arrive once
             if rank == 1:
+                # Flush our queued items first: a process that exits while its queue's feeder thread holds the
+                # queue's shared write lock leaves rank 0's puts blocked for good.
+                out.close()
+                out.join_thread()
                 if scenario == "die":
                     os._exit(3)
                 time.sleep(timeout_s * 4)  # "hang": alive but never arrives
