@@ -53,9 +53,6 @@ class AsyncLLM:
         self.config = config
         self.tokenizer_path = tokenizer or config.model.model
         self.tokenizer: Tokenizer = load_tokenizer(self.tokenizer_path, chat_template)
-        if self.tokenizer.has_chat_template:
-            # Chat templates render through transformers: build it now, not inside the first chat request.
-            self.tokenizer.hf
         self.model_name = str(config.model.served_model_name)
         self.max_model_len = int(config.model.max_model_len)
         self.health_step_timeout = health_step_timeout
@@ -99,7 +96,12 @@ class AsyncLLM:
         core_inbox.close()  # the child has its own copies; without ours, its death reads as EOF here
         core_outbox.close()
         self._loop = asyncio.get_running_loop()
-        msg = await self._loop.run_in_executor(None, self._wait_ready)
+        waiting = self._loop.run_in_executor(None, self._wait_ready)
+        if self.tokenizer.has_chat_template:
+            # Chat templates render through transformers: build it now, not inside the first chat request,
+            # and while the core loads its model (importing transformers takes seconds of its own).
+            await self._loop.run_in_executor(None, lambda: self.tokenizer.hf)
+        msg = await waiting
         if isinstance(msg, CoreFailed):
             raise msg.error
         self.limits, self.memory = msg.limits, msg.memory
