@@ -18,6 +18,7 @@ class SchedulingPolicy:
 
     name = "fcfs"
     preempts_for_waiting = False  # may preempt running sequences to admit a waiting one that outranks them
+    ranks_move_within_a_step = False  # whether `scheduled` changes ranks (then the next pick is re-ranked)
 
     def rank(self, seq: Sequence, step: int) -> Rank:
         """Lower runs first; `step` is the scheduler's step counter (for aging)."""
@@ -81,6 +82,7 @@ class FairPolicy(SchedulingPolicy):
     """
 
     name = "fair"
+    ranks_move_within_a_step = True
 
     def __init__(self) -> None:
         self.served: dict[str, int] = {}

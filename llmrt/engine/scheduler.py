@@ -122,9 +122,13 @@ class Scheduler:
         free_slots = self.config.max_num_seqs - len(self.running)
         spec_share = self.spec.share(decodes, prefills, free_slots, budget) if self.spec else 0
         admitting = True
+        repick = self.policy.ranks_move_within_a_step
+        if not repick:  # ranked once, popped from the end: a long queue costs one sort, not a scan per admission
+            prefills.sort(key=rank, reverse=True)
         while budget > 0 and (decodes or prefills):
-            # Ranks can change as work is scheduled (fair shares), so the next prefill is picked each time.
-            seq = decodes.pop(0) if decodes else prefills.pop(min(range(len(prefills)), key=lambda i: rank(prefills[i])))
+            # Where ranks change as work is scheduled (fair shares), the next prefill is picked each time.
+            seq = decodes.pop(0) if decodes else (
+                prefills.pop(min(range(len(prefills)), key=lambda i: rank(prefills[i]))) if repick else prefills.pop())
             drafts: list[int] = []
             if seq.status is SequenceStatus.RUNNING:
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
