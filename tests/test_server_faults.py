@@ -266,3 +266,40 @@ def test_a_killed_server_leaves_no_named_semaphores(checkpoints):
         base.proc.wait(timeout=10)
     time.sleep(0.5)  # the engine core may still be dying
     assert {p.name for p in shm.glob("sem.mp-*")} - before == set()
+
+
+def _children(pid: int) -> list[int]:
+    from pathlib import Path
+
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_sigterm_stops_the_server_cleanly():
+    """SIGTERM: exit code 0 (the process skips the interpreter's teardown once its engine has stopped), the
+    engine core gone with it, and the log's last line whole."""
+    import os
+    import signal
+    from pathlib import Path
+
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("no /proc on this system")
+    with run_server() as base:
+        r = httpx.post(f"{base}/v1/completions", json=_greedy(4), timeout=30)
+        assert r.status_code == 200
+        children = _children(base.proc.pid)
+        assert children  # the engine core (and the resource tracker)
+        base.proc.send_signal(signal.SIGTERM)
+        assert base.proc.wait(timeout=15) == 0
+        for pid in children:
+            assert wait_until(lambda: not os.path.exists(f"/proc/{pid}") or
+                              Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", timeout=10)
+        log = Path(base.log_path).read_text()
+        assert log.endswith("\n") and '"endpoint": "/v1/completions"' in log
