@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import time
 import traceback
 from typing import Any
@@ -56,7 +57,13 @@ def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any, log_level: in
         for msg in msgs:
             if isinstance(msg, Shutdown):
                 core.executor.shutdown()
-                return
+                outbox.flush()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                logging.shutdown()
+                # The interpreter's teardown of torch and the model has nothing left to do and took 0.4 s of
+                # the server's stop; multiprocessing's own exit would run it.
+                os._exit(0)
             if isinstance(msg, AddRequest):
                 try:
                     core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time,
