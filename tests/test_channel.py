@@ -40,6 +40,19 @@ def test_a_background_put_does_not_block_on_a_full_pipe_and_flush_sends_it_all()
     assert reader.get(timeout=0) == "last"  # in the pipe already once flush returns
 
 
+def test_small_puts_into_a_pipe_with_room_skip_the_feeder_and_keep_order_when_it_fills():
+    reader, writer = channel(background=True)
+    writer.put("small")
+    assert writer._feeder is None  # written at once: no thread woken for it
+    assert reader.get(timeout=0) == "small"
+    # Unread, the pipe fills: later puts go through the feeder, and a small one after them must not overtake them.
+    msgs = [bytes([i]) * 20000 for i in range(8)] + ["tail"]
+    for m in msgs:
+        writer.put(m)
+    assert writer._feeder is not None
+    assert [reader.get(timeout=5) for _ in msgs] == msgs
+
+
 def test_a_gone_reader_drops_sends_and_a_gone_writer_reads_as_eof():
     reader, writer = channel()
     reader.close()

@@ -3,15 +3,20 @@
 `multiprocessing.Queue` did this before, but every queue holds three named POSIX semaphores in /dev/shm that
 only a clean exit (or the resource tracker, in the same process group) unlinks: each SIGKILL of a server's
 process group left them behind. A pipe has no name, so a killed process leaves nothing. What the queue also gave,
-a `put` that never blocks its caller, the writer keeps as an option: both sides send through a feeder thread, so
-a busy engine core with a full pipe cannot stall HTTP, and the core's step loop does not wait on the pipe.
+a `put` that never blocks its caller, the writer keeps as an option: a message is written at once only where the
+pipe has room for it, otherwise a feeder thread sends it, so a busy engine core with a full pipe cannot stall
+HTTP, and the core's step loop does not wait on the pipe.
 """
 from __future__ import annotations
 
+import array
 import collections
+import fcntl
 import multiprocessing as mp
 import queue
+import termios
 import threading
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 
@@ -56,6 +61,7 @@ class ChannelWriter:
         self._wake = threading.Event()
         self._feeder: threading.Thread | None = None
         self._broken = False
+        self._room = _pipe_room(conn) if background else 0
 
     def __getstate__(self) -> dict[str, Any]:
         return {"conn": self._conn, "background": self._background}  # threads and locks stay in this process
@@ -64,11 +70,33 @@ class ChannelWriter:
         self.__init__(state["conn"], state["background"])
 
     def put(self, msg: Any) -> None:
-        """Send `msg` (from the feeder thread when the writer is a background one)."""
+        """Send `msg` (from the feeder thread when the writer is a background one and the pipe is short of
+        room: a small message into a pipe with room is written at once, without waking the feeder)."""
         if not self._background:
             self._send(msg)
             return
-        self._pending.append(msg)
+        data = bytes(ForkingPickler.dumps(msg))
+        if self._send_now(data):
+            return
+        self._queue(data)
+
+    def _send_now(self, data: bytes) -> bool:
+        """Write `data` here if that cannot block: nothing queued before it, the feeder not mid-send, and the
+        pipe's free room above it. The engine core puts a message per step: waking the feeder for each cost
+        0.13-0.17 ms of CPU and ~4 context switches per token of a single stream (2-core VM), taken from the
+        cores the engine decodes on."""
+        if self._pending or not self._send_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._pending or len(data) + _queued_bytes(self._conn) > self._room:
+                return False
+            self._send_locked(data)
+            return True
+        finally:
+            self._send_lock.release()
+
+    def _queue(self, item: Any) -> None:
+        self._pending.append(item)
         with self._start_lock:
             if self._feeder is None:
                 self._feeder = threading.Thread(target=self._feed, name="llmrt-channel-feeder", daemon=True)
@@ -83,25 +111,51 @@ class ChannelWriter:
         """Wait until the feeder has sent what was put (before the process exits: the feeder is a daemon)."""
         if self._background and self._feeder is not None:
             done = threading.Event()
-            self.put(done)
+            self._queue(done)
             done.wait(timeout)
 
     def _send(self, msg: Any) -> None:
         with self._send_lock:
-            if self._broken:
-                return
-            try:
-                self._conn.send(msg)
-            except (BrokenPipeError, EOFError, OSError):
-                self._broken = True
+            self._send_locked(bytes(ForkingPickler.dumps(msg)))
+
+    def _send_locked(self, data: bytes) -> None:
+        if self._broken:
+            return
+        try:
+            self._conn.send_bytes(data)
+        except (BrokenPipeError, EOFError, OSError):
+            self._broken = True
 
     def _feed(self) -> None:
         while True:
             self._wake.wait()
             self._wake.clear()
-            while self._pending:
-                msg = self._pending.popleft()
-                if isinstance(msg, threading.Event):  # flush's marker: everything before it is sent
-                    msg.set()
-                else:
-                    self._send(msg)
+            while True:
+                # Popped and sent under the lock, so that `_send_now` never overtakes a message in flight.
+                with self._send_lock:
+                    if not self._pending:
+                        break
+                    item = self._pending.popleft()
+                    if isinstance(item, threading.Event):  # flush's marker: everything before it is sent
+                        item.set()
+                    else:
+                        self._send_locked(item)
+
+
+def _queued_bytes(conn: Any) -> int:
+    """Bytes written to the pipe and not yet read (Linux answers FIONREAD on either end); the whole room where
+    the platform does not answer, so that the feeder sends."""
+    try:
+        buf = array.array("i", [0])
+        fcntl.ioctl(conn.fileno(), termios.FIONREAD, buf)
+        return buf[0]
+    except OSError:
+        return 1 << 30
+
+
+def _pipe_room(conn: Any) -> int:
+    """Half the pipe's capacity: a write that fits leaves room to spare (a pipe counts whole pages)."""
+    try:
+        return fcntl.fcntl(conn.fileno(), getattr(fcntl, "F_GETPIPE_SZ", 1032)) // 2
+    except OSError:
+        return 4096 // 2
