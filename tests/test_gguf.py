@@ -116,6 +116,18 @@ def test_gguf_writer_files_generate_like_ggufs_dequantized_weights(qname, llama_
     assert got == want
 
 
+def test_a_bf16_gguf_computes_in_bfloat16_like_its_weights_loaded_as_bfloat16(llama_ckpt, tmp_path):
+    path, ref_dir = write_gguf(llama_ckpt, tmp_path / "model-BF16.gguf", gguf.GGMLQuantizationType.BF16)
+    llm = LLM(str(path))
+    assert llm.config.model.torch_dtype == torch.bfloat16  # from the file's BF16 embedding, not float32
+    prompts = [[1, 300, 301, 302], [1, 5, 77, 400, 12, 9]]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    want = [o.outputs[0].token_ids for o in LLM(str(ref_dir), dtype="bfloat16").generate(prompts, GREEDY)]
+    assert got == want
+    f32, _ = write_gguf(llama_ckpt, tmp_path / "model-F32.gguf", gguf.GGMLQuantizationType.F32)
+    assert LLM(str(f32)).config.model.torch_dtype == torch.float32
+
+
 def test_llama_cpp_stories260k_tells_the_embedded_story():
     gg = LLM(str(SHARED_GGUF))
     ref = LLM(str(EMBEDDED))

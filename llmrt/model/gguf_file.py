@@ -73,7 +73,7 @@ def gguf_hf_config(path: str) -> dict[str, Any]:
         "rope_theta": float(md.get(p + "rope.freq_base", 10000.0)),
         "max_position_embeddings": int(md.get(p + "context_length", 2048)),
         "vocab_size": len(md["tokenizer.ggml.tokens"]), "tie_word_embeddings": "output.weight" not in names,
-        "torch_dtype": "float32",
+        "torch_dtype": _float_dtype(reader),
     }
     if p + "attention.sliding_window" in md:
         cfg["sliding_window"] = int(md[p + "attention.sliding_window"])
@@ -82,6 +82,14 @@ def gguf_hf_config(path: str) -> dict[str, Any]:
         if tid is not None and 0 <= int(tid) < cfg["vocab_size"]:
             cfg[f"{key}_token_id"] = int(tid)
     return cfg
+
+
+def _float_dtype(reader: Any) -> str:
+    """The dtype `--dtype auto` computes in: bfloat16 where the file keeps its unquantized matrices (the token
+    embedding, the LM head) in BF16, as llama.cpp's converter writes a bf16 model; float32 otherwise (F32 and F16
+    files: float16 arithmetic on a CPU is emulated)."""
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    return "bfloat16" if types.get("token_embd.weight") == "BF16" or types.get("output.weight") == "BF16" else "float32"
 
 
 def _hf_name(name: str) -> str:
