@@ -1,9 +1,11 @@
 """llmrt vs llama.cpp on the same quantized weights: single-stream TPOT of the peers' 124.7M Llama in GGUF Q8_0 and
 Q4_0 (the peers harness's W2: 256-token prompt, 128 greedy tokens, TPOT = (t_last - t_first) / 127).
 
-The Q8_0/Q4_0 files are made here from the peers' F32 GGUF with the `gguf` package's quantizer (bit-identical to
-llama.cpp's): every decoder-layer matrix quantized, token_embd and output left F32 (llmrt keeps embeddings and LM
-head unquantized, so both sides compute the same head). llmrt serves Q4_0 as int4 with the file's integers
+The Q8_0/Q4_0 files are made here from the peers' F32 GGUF (or, with --src, its BF16 one) with the `gguf`
+package's quantizer (bit-identical to llama.cpp's): every decoder-layer matrix quantized, token_embd and output left
+F32 (BF16) (llmrt keeps embeddings and LM head unquantized, so both sides compute the same head). llmrt computes in
+the dtype its `--dtype auto` picks for the file: float32 for the F32-based files, bfloat16 for the BF16-based ones
+(llama.cpp computes the BF16 head in bf16 too, and quantizes activations to 8 bits for the Q4_0/Q8_0 layers). llmrt serves Q4_0 as int4 with the file's integers
 (exact) and Q8_0 as int8 re-quantized per channel (its defaults for such files). llama.cpp runs through
 llama-cpp-python (n_threads=2) in its own virtualenv, one subprocess per round; the rounds alternate
 llama.cpp/llmrt per file and each figure is the best of the rounds. llama.cpp is timed by the peers' own
@@ -46,7 +48,8 @@ def llama_cpp_w2(llama_python: str, gguf_path: Path, workload: str) -> dict:
 
 
 def quantize_gguf(src: Path, qname: str, out: Path) -> None:
-    """A copy of the F32 GGUF `src` with every decoder-layer matrix quantized to `qname` by gguf's quantizer."""
+    """A copy of the F32 or BF16 GGUF `src` with every decoder-layer matrix quantized to `qname` by gguf's
+    quantizer (BF16 matrices through float32, as llama.cpp's quantize reads them); the rest kept as it is."""
     import gguf
     import numpy as np
 
@@ -62,8 +65,10 @@ def quantize_gguf(src: Path, qname: str, out: Path) -> None:
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
     for t in reader.tensors:
         data = np.array(t.data)
-        if t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.BF16)
+        if t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type in float_types:
+            w = gguf.quants.dequantize(data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
+            writer.add_tensor(t.name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(t.name, data, raw_dtype=t.tensor_type if data.dtype == np.uint8 else None)
     writer.write_header_to_file()
@@ -107,7 +112,7 @@ def main() -> None:
     cache.mkdir(parents=True, exist_ok=True)
     files = {}
     for q in QTYPES:
-        files[q] = cache / f"llama-syn-{q}.gguf"
+        files[q] = cache / f"{Path(args.src).stem}-{q}.gguf"
         if not files[q].is_file():
             print(f"quantizing {args.src} -> {files[q]}", file=sys.stderr, flush=True)
             quantize_gguf(Path(args.src), q, files[q])
@@ -118,6 +123,7 @@ def main() -> None:
         acts = {q: LLM(str(files[q]), max_model_len=1024, kv_cache_memory=256 << 20) for q in QTYPES}
         os.environ.pop("LLMRT_INT8_ACTIVATIONS")
     methods = {q: llms[q].config.model.quantization for q in QTYPES}
+    dtype = str(llms[QTYPES[0]].config.model.torch_dtype).replace("torch.", "")
     sides = ("llama.cpp", "llmrt") + (("llmrt int8-act",) if acts else ())
     runs: dict[str, list[dict]] = {f"{side} {q}": [] for q in QTYPES for side in sides}
     loads = [load_average()]
@@ -153,7 +159,7 @@ def main() -> None:
                                 text=True).stdout.strip())
     result = {"date": now_iso(), "commit": commit + ("+changes" if dirty else ""), "machine": machine_info(),
               "isa_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "amx", "f16c"))),
-              "load_average": loads, "rounds": args.rounds, "prompt_tokens": len(prompt), "new_tokens": new,
+              "load_average": loads, "rounds": args.rounds, "source": args.src, "llmrt_dtype": dtype, "prompt_tokens": len(prompt), "new_tokens": new,
               "llama_cpp": {k: runs[f"llama.cpp {QTYPES[0]}"][0][k] for k in ("version", "system_info")},
               "results": rows, "runs": runs}
     Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
@@ -193,7 +199,8 @@ def write_markdown(result: dict, path: Path) -> None:
               "with the file's own integers; Q8_0 as int8 re-quantized per output channel (one scale per row "
               "instead of one per 32 values). Token agreement is informative only: random weights, and the two "
               "compute in different precisions (llama.cpp quantizes activations to 8 bits in its Q4_0/Q8_0 dot "
-              "products; llmrt's kernels take bf16 activations).", ""]
+              f"products; llmrt computes in {result.get('llmrt_dtype', '?')}, the dtype `--dtype auto` picks for files "
+              f"quantized from `{Path(result.get('source', '?')).name}`).", ""]
     path.write_text("\n".join(lines))
 
 
