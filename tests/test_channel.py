@@ -53,6 +53,37 @@ def test_small_puts_into_a_pipe_with_room_skip_the_feeder_and_keep_order_when_it
     assert [reader.get(timeout=5) for _ in msgs] == msgs
 
 
+def test_read_ready_never_waits_on_a_half_written_message_and_reads_eof_after_the_rest():
+    import os
+    import time
+    from multiprocessing.reduction import ForkingPickler
+
+    reader, writer = channel()
+    assert reader.read_ready() == []  # nothing there: no wait
+    writer.put("one")
+    writer.put({"two": [2] * 5000})  # over 16 KiB pickled: send_bytes writes length and body separately
+    got = []
+    deadline = time.monotonic() + 5
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += reader.read_ready()
+    assert got == ["one", {"two": [2] * 5000}]
+    # A writer stopped halfway through a message: the whole frame is not there, so nothing is returned yet.
+    body = bytes(ForkingPickler.dumps("three"))
+    frame = len(body).to_bytes(4, "big") + body
+    fd = writer._conn.fileno()
+    os.write(fd, frame[:6])
+    assert reader.read_ready() == []
+    os.write(fd, frame[6:])
+    writer.put("four")
+    got = []
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += reader.read_ready()
+    assert got == ["three", "four"]
+    writer.close()
+    with pytest.raises(EOFError):
+        reader.read_ready()
+
+
 def test_a_gone_reader_drops_sends_and_a_gone_writer_reads_as_eof():
     reader, writer = channel()
     reader.close()

@@ -5,7 +5,6 @@ import asyncio
 import logging
 import multiprocessing as mp
 import queue
-import threading
 import time
 from dataclasses import asdict
 from typing import Any, AsyncIterator, Optional, Union
@@ -68,7 +67,7 @@ class AsyncLLM:
         self._last_progress = time.monotonic()
         self._proc: Any = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._stopping = threading.Event()
+        self._reading = False  # the event loop watches the core's pipe
 
     @property
     def vocab_size(self) -> int:
@@ -105,7 +104,12 @@ class AsyncLLM:
         if isinstance(msg, CoreFailed):
             raise msg.error
         self.limits, self.memory = msg.limits, msg.memory
-        threading.Thread(target=self._read_outputs, name="llmrt-output-reader", daemon=True).start()
+        # The core's outputs are read in the event loop when its pipe is readable. A reader thread handing each
+        # message over took a blocking wake-up of its own per token: ~0.1 ms of CPU a token on a 2-core VM
+        # (API process 0.72-0.84 -> 0.56-0.65 ms a streamed token), from the cores the engine decodes on.
+        self._loop.add_reader(self._outbox.fileno(), self._read_outputs)
+        self._reading = True
+        self._watch_core()
 
     def _wait_ready(self) -> Union[CoreReady, CoreFailed]:
         while True:
@@ -122,7 +126,7 @@ class AsyncLLM:
         """Stop the engine-core process."""
         if self._proc is None:
             return
-        self._stopping.set()
+        self._stop_reading()
         if self._proc.is_alive():
             self._inbox.put(Shutdown())
             await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 5.0)
@@ -216,27 +220,40 @@ class AsyncLLM:
             raise InvalidRequestError(f"fault kind must be one of {', '.join(FAULT_KINDS)}", param="kind")
         self._inbox.put(InjectFault(kind, float(seconds)))
 
-    # -- the output side (reader thread -> event loop) -------------------------------------------------
+    # -- the output side (read in the event loop) -------------------------------------------------------
     def _read_outputs(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                msg = self._outbox.get(timeout=0.2)
-            except queue.Empty:
-                if not self._proc.is_alive():
-                    self._deliver(self._on_dead, self._proc.exitcode)
-                    return
-                continue
-            except (EOFError, OSError):
-                self._proc.join(2.0)  # reap it, so the error names its exit code
-                self._deliver(self._on_dead, self._proc.exitcode)
-                return
-            self._deliver(self._on_message, msg)
-
-    def _deliver(self, fn: Any, arg: Any) -> None:
+        """Handle every message the core's pipe holds now (called by the event loop when it is readable)."""
         try:
-            self._loop.call_soon_threadsafe(fn, arg)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self._stopping.set()
+            msgs = self._outbox.read_ready()
+        except (EOFError, OSError):  # the core's end closed: it died (or exited)
+            self._core_gone()
+            return
+        for msg in msgs:
+            self._on_message(msg)
+
+    def _watch_core(self) -> None:
+        """Check every second that the core is alive: its pipe reads EOF when it dies, but not while a process
+        it started (a parallel rank) still holds the pipe's write end."""
+        if self._reading and not self._proc.is_alive():
+            self._core_gone()
+        if self._reading:
+            self._loop.call_later(1.0, self._watch_core)
+
+    def _core_gone(self) -> None:
+        if not self._stop_reading():
+            return
+        # Reap it off the loop, so that the error names its exit code.
+        self._loop.run_in_executor(None, self._proc.join, 2.0).add_done_callback(
+            lambda _: self._on_dead(self._proc.exitcode))
+
+    def _stop_reading(self) -> bool:
+        """Stop watching the core's pipe; False if that was done already."""
+        if not self._reading:
+            return False
+        self._reading = False
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._outbox.fileno())
+        return True
 
     def _on_message(self, msg: CoreMessage) -> None:
         if isinstance(msg, RequestRejected):

@@ -13,7 +13,9 @@ import array
 import collections
 import fcntl
 import multiprocessing as mp
+import os
 import queue
+import struct
 import termios
 import threading
 from multiprocessing.reduction import ForkingPickler
@@ -32,6 +34,7 @@ class ChannelReader:
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
+        self._buf: bytearray | None = None  # read_ready's bytes of a message not yet complete
 
     def get(self, timeout: float) -> Any:
         """The next message, waiting up to `timeout` seconds."""
@@ -42,6 +45,41 @@ class ChannelReader:
     def get_nowait(self) -> Any:
         """The next message if one is there."""
         return self.get(0.0)
+
+    def fileno(self) -> int:
+        """The pipe's descriptor, for an event loop's add_reader."""
+        return self._conn.fileno()
+
+    def read_ready(self) -> list[Any]:
+        """Every message complete in the pipe now, never waiting (for an event loop: a writer stopped halfway
+        through a message must not block it); EOFError once the writer's process is gone and all is read.
+        After the first call the end is non-blocking, so `get` is not for it any more."""
+        if self._buf is None:
+            os.set_blocking(self.fileno(), False)
+            self._buf = bytearray()
+        eof = False
+        while True:
+            try:
+                chunk = os.read(self.fileno(), _READ_CHUNK)
+            except BlockingIOError:
+                break
+            if not chunk:
+                eof = True
+                break
+            self._buf += chunk
+            if len(chunk) < _READ_CHUNK:  # drained (a later write wakes the loop again)
+                break
+        msgs = []
+        while True:
+            frame = _frame(self._buf)
+            if frame is None:
+                break
+            start, end = frame
+            msgs.append(ForkingPickler.loads(self._buf[start:end]))
+            del self._buf[:end]
+        if eof and not msgs:
+            raise EOFError
+        return msgs
 
     def close(self) -> None:
         """Close this process's copy of the end (after handing it to a child)."""
@@ -140,6 +178,24 @@ class ChannelWriter:
                         item.set()
                     else:
                         self._send_locked(item)
+
+
+_READ_CHUNK = 1 << 16
+
+
+def _frame(buf: bytearray) -> tuple[int, int] | None:
+    """(start, end) of the first whole message in `buf`, framed as `Connection.send_bytes` frames it (a signed
+    big-endian 4-byte length, or -1 and an 8-byte one past 2 GiB); None while it is incomplete."""
+    if len(buf) < 4:
+        return None
+    (n,) = struct.unpack_from("!i", buf)
+    start = 4
+    if n == -1:
+        if len(buf) < 12:
+            return None
+        (n,) = struct.unpack_from("!Q", buf, 4)
+        start = 12
+    return (start, start + n) if len(buf) >= start + n else None
 
 
 def _queued_bytes(conn: Any) -> int:
