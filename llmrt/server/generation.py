@@ -22,6 +22,7 @@ T = TypeVar("T")
 # The engine enforces a request's timeout at step boundaries; the server enforces it too, this much later, so
 # that a hung engine cannot hold a request past its deadline.
 _DEADLINE_GRACE_S = 0.25
+_TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11+; 3.10 keeps the general path
 
 
 class Generation:
@@ -51,6 +52,8 @@ class Generation:
 
     async def next(self) -> list[int]:
         """Wait for new outputs; return which prompts got one. Raises the first engine error."""
+        if len(self.gens) == 1 and not self._pending and _TIMEOUT is not None:
+            return await self._next_one()
         waiting = set(self._pending.values())
         for i, gen in enumerate(self.gens):
             if not self.done[i] and i not in waiting:
@@ -86,6 +89,33 @@ class Generation:
         if error is not None:
             raise error
         return sorted(updated)
+
+    async def _next_one(self) -> list[int]:
+        """`next` for a single prompt: the stream awaited in place, without a task and `asyncio.wait` per token
+        (the API process runs cache-cold at every token while the engine decodes, so each hop costs)."""
+        if self.done[0]:
+            return []
+        wait = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        try:
+            async with _TIMEOUT(wait):
+                out = await self.gens[0].__anext__()
+        except StopAsyncIteration:
+            self.done[0] = True
+            return []
+        except TimeoutError:
+            raise DeadlineExceededError("the request's timeout passed before it finished (the engine did not "
+                                        "answer in time); nothing it generated is kept") from None
+        except LLMRTError as e:
+            if e.param == "prompt":
+                e.param = self.prompt_param
+            self.done[0] = True
+            raise
+        self.latest[0] = out
+        if out.finished:
+            self.done[0] = True
+            if out.error is not None:
+                raise out.error
+        return [0]
 
     async def started(self) -> None:
         """Wait until every prompt has its first output: validation and admission errors come before it."""
