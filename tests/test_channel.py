@@ -79,6 +79,13 @@ def test_read_ready_never_waits_on_a_half_written_message_and_reads_eof_after_th
     while len(got) < 2 and time.monotonic() < deadline:
         got += reader.read_ready()
     assert got == ["three", "four"]
+    # A message that cannot be unpickled is dropped (and logged); the next one still arrives.
+    os.write(fd, (4).to_bytes(4, "big") + b"junk")
+    writer.put("five")
+    got = []
+    while not got and time.monotonic() < deadline:
+        got += reader.read_ready()
+    assert got == ["five"]
     writer.close()
     with pytest.raises(EOFError):
         reader.read_ready()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import collections
 import fcntl
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -75,8 +76,12 @@ class ChannelReader:
             if frame is None:
                 break
             start, end = frame
-            msgs.append(ForkingPickler.loads(self._buf[start:end]))
+            body = bytes(self._buf[start:end])
             del self._buf[:end]
+            try:
+                msgs.append(ForkingPickler.loads(body))
+            except Exception:  # noqa: BLE001 - one unreadable message must not stop the ones after it
+                logger.exception("a message on the channel could not be unpickled; it is dropped")
         if eof and not msgs:
             raise EOFError
         return msgs
@@ -181,6 +186,7 @@ class ChannelWriter:
 
 
 _READ_CHUNK = 1 << 16
+logger = logging.getLogger(__name__)
 
 
 def _frame(buf: bytearray) -> tuple[int, int] | None:
