@@ -243,8 +243,12 @@ class AsyncLLM:
         if not self._stop_reading():
             return
         # Reap it off the loop, so that the error names its exit code.
-        self._loop.run_in_executor(None, self._proc.join, 2.0).add_done_callback(
-            lambda _: self._on_dead(self._proc.exitcode))
+        try:
+            reaped = self._loop.run_in_executor(None, self._proc.join, 2.0)
+        except RuntimeError:  # the loop's executor is shutting down with the loop: no time to reap
+            self._on_dead(self._proc.exitcode)
+            return
+        reaped.add_done_callback(lambda _: self._on_dead(self._proc.exitcode))
 
     def _stop_reading(self) -> bool:
         """Stop watching the core's pipe; False if that was done already."""
