@@ -33,15 +33,18 @@ FORMATS = ("bf16", "fp32", "int8", "int4")
 
 
 def baseline_ops(rev: str, isa: str):
-    """torch.ops namespace of the kernel sources at git `rev`, built as llmrt_<isa>_base."""
-    d = Path(tempfile.mkdtemp(prefix="llmrt-gemv-base-"))
-    for name in ("linear.cpp", "simd.h"):
-        src = subprocess.run(["git", "show", f"{rev}:llmrt/kernels/csrc/{name}"], check=True, capture_output=True,
-                             text=True).stdout
-        (d / name).write_text(src)
+    """torch.ops namespace of the kernel sources at git `rev` (every file of llmrt/kernels/csrc there), built as
+    llmrt_<isa>_base (the build cache's hash covers the sources, so each revision compiles once)."""
+    d = Path(tempfile.mkdtemp(prefix="llmrt-kernels-base-"))
+    names = subprocess.run(["git", "ls-tree", "--name-only", rev, "llmrt/kernels/csrc/"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    for path in names:
+        src = subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True).stdout
+        (d / Path(path).name).write_text(src)
     ns = f"llmrt_{isa}_base"
     flags = ["-O3", "-fopenmp", f"-DLLMRT_NS={ns}", *ISA_FLAGS[isa]]
-    build.load_or_compile("kernels-baseline", f"llmrt_kernels_{isa}_base", [d / "linear.cpp"], flags, [d / "simd.h"])
+    build.load_or_compile("kernels-baseline", f"llmrt_kernels_{isa}_base", [d / "linear.cpp"], flags,
+                          sorted(d.glob("*.h")))
     return getattr(torch.ops, ns)
 
 

@@ -4,13 +4,11 @@ The sources at `--baseline` are compiled under their own op namespace (llmrt_<is
 the 124.7M Llama's 48 decoder-layer linears (int4 g32, distinct weights per layer, so streamed from memory as in
 decode) are called with 1-16 bf16 activation rows, the two builds alternating within each round; best of rounds.
 
-Run: PYTHONPATH=. python benchmarks/int4_bf16dot_ab.py --baseline REV [--rounds 7] -> benchmarks/int4-bf16dot-ab.md
+Run: PYTHONPATH=. python benchmarks/int4_bf16dot_ab.py --baseline REV [--rounds 9] -> benchmarks/int4-bf16dot-ab.md
 """
 from __future__ import annotations
 
 import argparse
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,28 +16,14 @@ import torch
 
 from llmrt.bench.report import load_average, machine_info, now_iso
 from llmrt.hardware import cpu_flags
-from llmrt.kernels import ISA_FLAGS, build, build_for, load
+from llmrt.kernels import build_for, load
 from llmrt.kernels.packed import PackedLinear
 from llmrt.model.quantization.int4 import quantize_int4
 
+from gemv_bandwidth import baseline_ops  # benchmarks/, the script's own folder
+
 SHAPES = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12
 ROWS = (1, 2, 4, 8, 16)
-
-
-def baseline_ops(rev: str, isa: str):
-    """torch.ops namespace of the kernel sources at git `rev`."""
-    d = Path(tempfile.mkdtemp(prefix="llmrt-int4-base-"))
-    names = subprocess.run(["git", "ls-tree", "--name-only", rev, "llmrt/kernels/csrc/"], check=True,
-                           capture_output=True, text=True).stdout.split()
-    for path in names:
-        src = subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True).stdout
-        (d / Path(path).name).write_text(src)
-    ns = f"llmrt_{isa}_base"
-    flags = ["-O3", "-fopenmp", f"-DLLMRT_NS={ns}", *ISA_FLAGS[isa]]
-    rev_id = subprocess.run(["git", "rev-parse", "--short", rev], check=True, capture_output=True, text=True).stdout
-    build.load_or_compile("kernels-baseline", f"llmrt_kernels_{isa}_base_{rev_id.strip()}", [d / "linear.cpp"], flags,
-                          sorted(d.glob("*.h")))
-    return getattr(torch.ops, ns)
 
 
 def main() -> None:

@@ -1,18 +1,11 @@
 """Shared fixtures: tiny random-weight HF checkpoints of every supported architecture."""
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-
-# The one reason a C++-kernel test may skip: no compiler on this machine (then only torch's paths exist). With a
-# compiler, a kernel that fails to build is a failure, not a skip.
-HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
-NO_COMPILER = "no C++ compiler here: only torch's paths exist"
-requires_compiler = pytest.mark.skipif(not HAS_COMPILER, reason=NO_COMPILER)
 
 # Tests parametrized over DEVICES run on CUDA too where a GPU is (CI has none: the cuda cases skip there).
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -11,9 +11,7 @@ import torch
 from llmrt.attention.cpu_paged import CpuPagedAttentionBackend, load_kernel, prefill_attention
 from llmrt.attention.torch_sdpa import TorchAttentionBackend
 from llmrt.hardware import cpu_flags, kernel_isa
-from tests.conftest import requires_compiler
 
-pytestmark = requires_compiler
 HAS_BF16DOT = kernel_isa() == "avx512" and "avx512_bf16" in cpu_flags()
 BRANCHES = [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_BF16DOT, reason="no AVX512-BF16 here"))]
 

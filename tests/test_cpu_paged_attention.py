@@ -12,12 +12,10 @@ from llmrt import LLM, SamplingParams
 from llmrt.attention import build_common_metadata, select_attention_backend
 from llmrt.attention.cpu_paged import CpuPagedAttentionBackend, load_kernel
 from llmrt.model.layers.attention import Attention
-from tests.conftest import requires_compiler
-
-pytestmark = requires_compiler
 
 
-def test_the_kernel_builds_where_a_compiler_exists():
+
+def test_the_kernel_builds():
     assert load_kernel() is not None  # a build failure shows here (load_kernel logs its error), never as a skip
 
 

@@ -11,15 +11,12 @@ from llmrt.model.layers import fused
 from llmrt.model.layers.activation import GatedActivation, gated
 from llmrt.model.layers.norms import RMSNorm
 from llmrt.model.layers.rotary import RotaryEmbedding
-from tests.conftest import HAS_COMPILER, NO_COMPILER
 
 ISAS = [isa for isa, needs in ISA_NEEDS.items() if set(needs) <= cpu_flags()] + ["generic"]
 
 
 def _ops(isa: str) -> fused.FusedOps:
-    if not HAS_COMPILER:
-        pytest.skip(NO_COMPILER)
-    return fused.load(isa)  # with a compiler, a build failure fails the test
+    return fused.load(isa)  # a build failure fails the test (make installs a compiler's output first)
 
 
 def _torch_norm(norm: RMSNorm, x, residual=None):

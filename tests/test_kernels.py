@@ -18,11 +18,9 @@ from llmrt.model.layers.linear import Linear
 from llmrt.model.quantization.int4 import pack_int4_chunks, quantize_int4, unpack_int4_chunks
 from llmrt.model.quantization.int8 import quantize_int8
 from llmrt.sampling_params import SamplingParams
-from tests.conftest import requires_compiler
 
 ISAS = [isa for isa, needs in K.ISA_NEEDS.items() if set(needs) <= cpu_flags()]
-pytestmark = [pytest.mark.skipif(not ISAS, reason="this CPU has no AVX2+FMA: only torch's paths exist"),
-              requires_compiler]
+pytestmark = pytest.mark.skipif(not ISAS, reason="this CPU has no AVX2+FMA: only torch's paths exist")
 # (out, in): K not a multiple of 8/16/32 or of the group, N not a multiple of the 4-row tile, a tiny one.
 SHAPES = [(37, 100), (64, 320), (5, 7), (130, 64)]
 ROWS = [1, 2, 3, 5, 8, 17, 64]

@@ -11,7 +11,6 @@ from llmrt import LLM
 from llmrt.cli import main
 from llmrt.engine.memory_plan import MemoryPlan, plan_memory
 from llmrt.hardware import kernel_isa
-from tests.conftest import requires_compiler
 
 _MiB = 1 << 20
 
@@ -71,7 +70,6 @@ def test_plan_says_when_nothing_fits(checkpoints, capsys):
     assert main(["plan", str(checkpoints["gpt2"]), "--memory", "1GiB", "--context", "a,b"]) == 2
 
 
-@requires_compiler
 @pytest.mark.skipif(kernel_isa() is None, reason="this CPU has no AVX2+FMA: nothing is packed")
 def test_plan_counts_the_dense_weight_copy(checkpoints):
     """--dense-weight-copy on adds each packed fp32/bf16 layer's dense weights to the planned weights, as the

@@ -17,7 +17,7 @@ from llmrt.hardware import EMULATED, NATIVE, UNSUPPORTED, check_formats, format_
 from llmrt.model.quantization.int4 import dequantize_int4, pack_nibbles, quantize_int4
 from llmrt.model.quantization.int8 import quantize_int8
 from llmrt.sampling_params import SamplingParams
-from tests.conftest import ARCH_CONFIGS, DEVICES, needs_fp8, requires_compiler
+from tests.conftest import ARCH_CONFIGS, DEVICES, needs_fp8
 
 ARCHS = list(ARCH_CONFIGS)
 CPU = torch.device("cpu")
@@ -151,7 +151,6 @@ def test_quality_on_the_embedded_model(embedded_model_dir):
     assert q4.top1_agreement >= 0.85 and q4.perplexity <= base * 1.07, q4
 
 
-@requires_compiler
 def test_int8_activations_on_the_embedded_model(embedded_model_dir, monkeypatch):
     """LLMRT_INT8_ACTIVATIONS=1 (activations quantized per block of 32, integer dot products) keeps the embedded
     model within the same bounds; measured: int8 0.982, -0.35%; int4 g32 0.888, +6.2% (fp32 activations: +5.5%)."""

@@ -256,8 +256,6 @@ def test_a_killed_server_leaves_no_named_semaphores(checkpoints):
     from pathlib import Path
 
     shm = Path("/dev/shm")
-    if not shm.is_dir():
-        pytest.skip("no /dev/shm on this system")  # named POSIX semaphores live elsewhere (macOS)
     before = {p.name for p in shm.glob("sem.mp-*")}
     with run_server(checkpoints["llama3"]) as base:
         r = httpx.post(f"{base}/v1/completions", json=_greedy(4), timeout=30)
@@ -289,8 +287,6 @@ def test_sigterm_stops_the_server_cleanly():
     import signal
     from pathlib import Path
 
-    if not Path("/proc/self/stat").exists():
-        pytest.skip("no /proc on this system")
     with run_server() as base:
         r = httpx.post(f"{base}/v1/completions", json=_greedy(4), timeout=30)
         assert r.status_code == 200

@@ -14,7 +14,7 @@ import torch
 
 from llmrt.distributed.shm_allreduce import PREFIX, SHM_DIR, supported_here
 
-pytestmark = pytest.mark.skipif(not supported_here(), reason="needs /dev/shm on an x86 host")
+pytestmark = pytest.mark.skipif(not supported_here(), reason="needs an x86 CPU (total store order) and /dev/shm")
 
 SHAPES = [(1, 768), (16, 768), (3, 5, 7), (256, 1024)]
 DTYPES = [torch.float32, torch.bfloat16]

@@ -7,11 +7,10 @@ import random
 import pytest
 import torch
 
-from conftest import ARCH_CONFIGS, requires_compiler
+from conftest import ARCH_CONFIGS
 from llmrt import LLM, SamplingParams
 from llmrt.worker.step_graph import NotReplayable, StepGraph, StepGraphs, _Recorder, extension
 
-pytestmark = requires_compiler
 
 
 def _runner(llm: LLM):

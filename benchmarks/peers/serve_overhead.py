@@ -51,16 +51,17 @@ async def served_tpot(url: str, prompt: list[int], new: int) -> float:
     return (res.token_times[-1] - res.token_times[0]) / (new - 1) * 1e3
 
 
-def offline_rounds(wl: dict, new: int, first: int) -> list[float]:
-    """TPOT (ms) of `args.rounds` offline generations in this process, prompts rotated from `first`."""
+def offline_llm(wl: dict) -> tuple[LLM, SamplingParams]:
+    """The offline engine, warmed up, and the measured requests' sampling parameters."""
     llm = LLM(args.model, dtype=args.dtype, max_model_len=1024)
-    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     llm.generate([prompt_of(wl, 999)], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
-    out = []
-    for r in range(args.rounds):
-        m = llm.generate([prompt_of(wl, first + r)], greedy)[0].metrics
-        out.append((m.last_token_time - m.first_token_time) / (new - 1) * 1e3)
-    return out
+    return llm, SamplingParams(max_tokens=wl["W2"]["max_new_tokens"], temperature=0.0, ignore_eos=True)
+
+
+def offline_tpot(llm: LLM, greedy: SamplingParams, prompt: list[int]) -> float:
+    """Milliseconds per output token of one offline generation, from its own token timestamps."""
+    m = llm.generate([prompt], greedy)[0].metrics
+    return (m.last_token_time - m.first_token_time) / (greedy.max_tokens - 1) * 1e3
 
 
 def fresh_processes(wl: dict, new: int, opts: list[str]) -> tuple[list[float], list[float]]:
@@ -87,17 +88,14 @@ def one_process(wl: dict, new: int, opts: list[str]) -> tuple[list[float], list[
     """One server and the offline `LLM` in this process, rounds alternating."""
     served, offline = [], []
     with serve(args.model, *opts) as url:
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=1024)
-        greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-        llm.generate([prompt_of(wl, 999)], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+        llm, greedy = offline_llm(wl)
         asyncio.run(served_tpot(url, prompt_of(wl, 998), 8 + 1))  # warm-up
         for r in range(args.rounds):
             for side in (("served", "offline") if r % 2 == 0 else ("offline", "served")):
                 if side == "served":
                     served.append(asyncio.run(served_tpot(url, prompt_of(wl, 2 * r), new)))
                 else:
-                    m = llm.generate([prompt_of(wl, 2 * r + 1)], greedy)[0].metrics
-                    offline.append((m.last_token_time - m.first_token_time) / (new - 1) * 1e3)
+                    offline.append(offline_tpot(llm, greedy, prompt_of(wl, 2 * r + 1)))
             print(f"round {r}: served {served[-1]:.1f} ms, offline {offline[-1]:.1f} ms", flush=True)
     return served, offline
 
@@ -106,8 +104,9 @@ def main() -> None:
     """Alternate served and offline rounds; print and write the best of each and their ratio."""
     wl = json.load(open(args.workload))
     new = wl["W2"]["max_new_tokens"]
-    if args.offline_only:
-        print(json.dumps(offline_rounds(wl, new, 50)))
+    if args.offline_only:  # one offline process of --processes: its rounds' TPOTs on stdout
+        llm, greedy = offline_llm(wl)
+        print(json.dumps([offline_tpot(llm, greedy, prompt_of(wl, 50 + r)) for r in range(args.rounds)]))
         return
     opts = ["--dtype", args.dtype, "--served-model-name", "m", "--max-model-len", "1024"]
     served, offline = fresh_processes(wl, new, opts) if args.processes > 1 else one_process(wl, new, opts)

@@ -109,7 +109,6 @@ class AsyncLLM:
         # (API process 0.72-0.84 -> 0.56-0.65 ms a streamed token), from the cores the engine decodes on.
         self._loop.add_reader(self._outbox.fileno(), self._read_outputs)
         self._reading = True
-        self._watch_core()
 
     def _wait_ready(self) -> Union[CoreReady, CoreFailed]:
         while True:
@@ -230,14 +229,6 @@ class AsyncLLM:
             return
         for msg in msgs:
             self._on_message(msg)
-
-    def _watch_core(self) -> None:
-        """Check every second that the core is alive: its pipe reads EOF when it dies, but not while a process
-        it started (a parallel rank) still holds the pipe's write end."""
-        if self._reading and not self._proc.is_alive():
-            self._core_gone()
-        if self._reading:
-            self._loop.call_later(1.0, self._watch_core)
 
     def _core_gone(self) -> None:
         if not self._stop_reading():

@@ -25,6 +25,11 @@ _DEADLINE_GRACE_S = 0.25
 _TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11+; 3.10 keeps the general path
 
 
+def _deadline_exceeded() -> DeadlineExceededError:
+    return DeadlineExceededError("the request's timeout passed before it finished (the engine did not answer in "
+                                 "time); nothing it generated is kept")
+
+
 class Generation:
     """The engine requests of one API request (one per prompt), iterated together."""
 
@@ -60,32 +65,20 @@ class Generation:
                 self._pending[asyncio.ensure_future(gen.__anext__())] = i
         if not self._pending:
             return []
-        wait = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-        done, _ = await asyncio.wait(self._pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(self._pending, timeout=self._time_left(), return_when=asyncio.FIRST_COMPLETED)
         if not done:
-            raise DeadlineExceededError("the request's timeout passed before it finished (the engine did not "
-                                        "answer in time); nothing it generated is kept")
+            raise _deadline_exceeded()
         updated: list[int] = []
         error: Optional[BaseException] = None
-        for fut in done:
+        for fut in done:  # every result is recorded before the first error is raised
             i = self._pending.pop(fut)
             try:
-                out = fut.result()
-            except StopAsyncIteration:
-                self.done[i] = True
-                continue
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others are recorded
-                if isinstance(e, LLMRTError) and e.param == "prompt":
-                    e.param = self.prompt_param
-                self.done[i] = True
-                error = error or e
-                continue
-            self.latest[i] = out
-            if out.finished:
-                self.done[i] = True
-                if out.error is not None:
-                    error = error or out.error
-            updated.append(i)
+                outcome: Any = fut.result()
+            except BaseException as e:  # noqa: BLE001 - recorded, raised below
+                outcome = e
+            got, err = self._record(i, outcome)
+            updated += [i] if got else []
+            error = error or err
         if error is not None:
             raise error
         return sorted(updated)
@@ -95,27 +88,36 @@ class Generation:
         (the API process runs cache-cold at every token while the engine decodes, so each hop costs)."""
         if self.done[0]:
             return []
-        wait = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         try:
-            async with _TIMEOUT(wait):
-                out = await self.gens[0].__anext__()
-        except StopAsyncIteration:
-            self.done[0] = True
-            return []
+            async with _TIMEOUT(self._time_left()):
+                outcome: Any = await self.gens[0].__anext__()
         except TimeoutError:
-            raise DeadlineExceededError("the request's timeout passed before it finished (the engine did not "
-                                        "answer in time); nothing it generated is kept") from None
-        except LLMRTError as e:
-            if e.param == "prompt":
-                e.param = self.prompt_param
-            self.done[0] = True
-            raise
-        self.latest[0] = out
-        if out.finished:
-            self.done[0] = True
-            if out.error is not None:
-                raise out.error
-        return [0]
+            raise _deadline_exceeded() from None
+        except Exception as e:  # noqa: BLE001 - recorded, raised below; cancellation passes through
+            outcome = e
+        got, err = self._record(0, outcome)
+        if err is not None:
+            raise err
+        return [0] if got else []
+
+    def _time_left(self) -> Optional[float]:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def _record(self, i: int, outcome: Any) -> tuple[bool, Optional[BaseException]]:
+        """Keep prompt i's next output, or its end or error: (whether it got an output, the error to raise)."""
+        if isinstance(outcome, StopAsyncIteration):
+            self.done[i] = True
+            return False, None
+        if isinstance(outcome, BaseException):
+            if isinstance(outcome, LLMRTError) and outcome.param == "prompt":
+                outcome.param = self.prompt_param
+            self.done[i] = True
+            return False, outcome
+        self.latest[i] = outcome
+        if outcome.finished:
+            self.done[i] = True
+            return True, outcome.error
+        return True, None
 
     async def started(self) -> None:
         """Wait until every prompt has its first output: validation and admission errors come before it."""
