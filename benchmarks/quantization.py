@@ -4,7 +4,8 @@ int4 (and int8 KV), weights and KV memory. All configurations live in one proces
 With --torch-paths, every configuration is also built with LLMRT_KERNELS=0 (torch's own matmul paths, the
 "before" of llmrt/kernels) and measured in the same alternating rounds, labelled "... (torch)". With --int8-act,
 every int8/int4 configuration is also built with LLMRT_INT8_ACTIVATIONS=1 (activations quantized to int8,
-integer dot products: csrc/qdot.h), labelled "... (int8 act)".
+integer dot products: csrc/qdot.h), labelled "... (int8 act)". With --amx-ab, also with LLMRT_AMX=0 (steps of
+several rows without the AMX tile kernel, csrc/amx.h), labelled "... (no AMX)".
 
 Run: PYTHONPATH=. python benchmarks/quantization.py [--rounds 3] [--torch-paths] [--device cuda]
   -> benchmarks/quantization-*.json + quantization.md
@@ -56,6 +57,8 @@ def main() -> None:
     ap.add_argument("--torch-paths", action="store_true", help="also measure every config with LLMRT_KERNELS=0")
     ap.add_argument("--int8-act", action="store_true",
                     help="also measure int8/int4 configs with LLMRT_INT8_ACTIVATIONS=1")
+    ap.add_argument("--amx-ab", action="store_true",
+                    help="also measure int8/int4 configs with LLMRT_AMX=0 (no AMX tile kernel; AMX CPUs)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -79,6 +82,10 @@ def main() -> None:
                 os.environ["LLMRT_INT8_ACTIVATIONS"] = "1"
                 llms[f"{k} (int8 act)"] = LLM(str(path), max_model_len=args.max_model_len, device=args.device, **memory, **v)
                 os.environ.pop("LLMRT_INT8_ACTIVATIONS")
+            if args.amx_ab and paths == "ours" and v.get("quantization"):
+                os.environ["LLMRT_AMX"] = "0"
+                llms[f"{k} (no AMX)"] = LLM(str(path), max_model_len=args.max_model_len, device=args.device, **memory, **v)
+                os.environ.pop("LLMRT_AMX")
     lib = llmrt.kernels.kernels()
     prompt = list(range(10, 42))
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)

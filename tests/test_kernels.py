@@ -26,9 +26,15 @@ SHAPES = [(37, 100), (64, 320), (5, 7), (130, 64)]
 ROWS = [1, 2, 3, 5, 8, 17, 64]
 
 
-def _weights(lib: K.KernelLib, n: int, k: int, fmt: str, bias=None,
-             int8_act: bool = False) -> tuple[PackedLinear, torch.Tensor]:
-    """(the packed layer, the dense fp64 weights it stands for); int8/int4 with fp32 or int8 activations."""
+def _weights(lib: K.KernelLib, n: int, k: int, fmt: str, bias=None, int8_act: bool = False,
+             amx: bool = False) -> tuple[PackedLinear, torch.Tensor]:
+    """(the packed layer, the dense fp64 weights it stands for); int8/int4 with fp32 or int8 activations. The
+    vector kernels unless `amx` (then int8/int4 bf16 steps of AMX_ROWS rows run on AMX tiles, where there are)."""
+    p, dense = _packed(lib, n, k, fmt, bias, int8_act)
+    return dataclasses.replace(p, amx=p.amx and amx), dense
+
+
+def _packed(lib: K.KernelLib, n: int, k: int, fmt: str, bias, int8_act: bool) -> tuple[PackedLinear, torch.Tensor]:
     w = torch.randn(n, k)
     if fmt in ("fp32", "bf16"):
         w = w.bfloat16() if fmt == "bf16" else w
@@ -159,7 +165,7 @@ def test_int4_times_bf16_by_vdpbf16ps(isa, gs, monkeypatch):
         sz = torch.stack([sc, z], -1).bfloat16().double()
         dense = ((q.double().view(n, -1, gs) - 8) * sz[..., 0][..., None] + sz[..., 1][..., None]).view(n, kp)[:, :k]
         bias = torch.randn(n)
-        p = PackedLinear.int4(lib, q, sc, z, gs, k, bias)
+        p = dataclasses.replace(PackedLinear.int4(lib, q, sc, z, gs, k, bias), amx=False)  # 9 rows: not on tiles
         assert p.bf16dot
         for rows in (1, 3, 4, 9):
             x = torch.randn(rows, k).bfloat16()
@@ -173,6 +179,50 @@ def test_int4_times_bf16_by_vdpbf16ps(isa, gs, monkeypatch):
             assert ((y.double() - old).abs() <= 2 * scale + 2 ** -7 * torch.maximum(y.double().abs(), old.abs())).all()
     monkeypatch.setenv("LLMRT_INT4_BF16DOT", "0")
     assert not PackedLinear.int4(lib, q, sc, z, gs, k).bf16dot
+
+
+HAS_AMX = K.has_amx("avx512", cpu_flags())
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16 tiles")
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_int8_int4_on_amx_tiles(fmt, monkeypatch):
+    """csrc/amx.h: bf16 steps of AMX_ROWS rows against the float64 product (the weights rounded to bf16 once, as
+    the dequantize + GEMM path rounded them: 2^-8 of sum|x||w|, plus the output's bf16 rounding), a row's result
+    the same within any batch it runs in, only bf16 steps of AMX_ROWS rows on the tiles, and off with LLMRT_AMX=0."""
+    from llmrt.kernels.packed import AMX_ROWS
+
+    torch.manual_seed(6)
+    lib = K.load("avx512vnni" if "avx512vnni" in ISAS else "avx512")
+    assert lib.linear_int8_amx is not None and lib.linear_int4_amx is not None
+    lo, hi = AMX_ROWS
+    for n, k in SHAPES + [(4096, 768), (70, 2048)]:
+        bias = torch.randn(n).bfloat16()
+        p, dense = _weights(lib, n, k, fmt, bias, amx=True)
+        assert p.amx
+        x = torch.randn(hi, k).bfloat16()
+        for rows in (lo, lo + 1, 17, 33, hi):
+            assert p.on_amx(x[:rows]) and not p.on_amx(x[:rows].float())
+            ref = x[:rows].double() @ dense.T + bias.double()
+            y = p(x[:rows])
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+            tol = (2 ** -8 + 1e-5) * (x[:rows].double().abs() @ dense.abs().T) + 1e-6 + \
+                2 ** -8 * torch.maximum(ref.abs(), y.double().abs())
+            assert ((y.double() - ref).abs() <= tol).all(), (fmt, n, k, rows)
+        full = p(x)
+        assert torch.equal(full, torch.cat([p(x[i:i + lo]) for i in range(0, hi, lo)])), (fmt, n, k)
+        assert not p.on_amx(x[:lo - 1]) and not p.on_amx(torch.cat([x, x]))
+    monkeypatch.setenv("LLMRT_AMX", "0")
+    assert not _packed(lib, 37, 100, fmt, None, False)[0].amx
+
+
+@pytest.mark.skipif(HAS_AMX, reason="this CPU has AMX tiles")
+@pytest.mark.parametrize("isa", ISAS)
+def test_no_amx_without_the_tiles(isa):
+    """Without AMX-BF16 the builds offer no tile kernels and int8/int4 layers never take them."""
+    lib = K.load(isa)
+    assert lib.linear_int8_amx is None and lib.linear_int4_amx is None
+    assert not _packed(lib, 37, 100, "int4", None, False)[0].amx
 
 
 @pytest.mark.parametrize("isa", ISAS)

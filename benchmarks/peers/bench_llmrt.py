@@ -1,7 +1,8 @@
 """llmrt's offline `LLM` on the peers' workloads, written like bench_vllm.py: W1 = all 64 token prompts in one
 generate call, W2 = one request, TTFT from the call to its first token, TPOT = (t_last - t_first) / 127.
 
-usage: python bench_llmrt.py MODEL_DIR WORKLOAD_JSON [--dtype float32|bfloat16] [--skip-w1] [--out FILE]
+usage: python bench_llmrt.py MODEL_DIR WORKLOAD_JSON [--dtype float32|bfloat16] [--quantization int8|int4] [--skip-w1]
+       [--out FILE]
 """
 import argparse
 import json
@@ -20,6 +21,7 @@ ap.add_argument("--dtype", default="bfloat16")
 ap.add_argument("--w2-reps", type=int, default=3)
 ap.add_argument("--skip-w1", action="store_true")
 ap.add_argument("--attention-backend", default="auto")
+ap.add_argument("--quantization", default=None, help="int8 | int4 (weight-only, at load; default: none)")
 ap.add_argument("--out", help="also write the result JSON here")
 args = ap.parse_args()
 
@@ -32,8 +34,9 @@ def main() -> None:
     t = time.perf_counter()
     # KV for 64 sequences of up to 512 + 128 tokens (fp32: ~1 GiB); no prefix-cache hits, as for the peers.
     llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=64, kv_cache_memory=2 << 30,
-              enable_prefix_caching=False, attention_backend=args.attention_backend)
+              enable_prefix_caching=False, attention_backend=args.attention_backend, quantization=args.quantization)
     res = {"peer": "llmrt", "version": llmrt.__version__, "torch": torch.__version__, "dtype": args.dtype,
+           "quantization": args.quantization,
            "threads": torch.get_num_threads(), "attention_backend": type(llm.engine.executor.worker.model_runner
                                                                           .attn_backend).name,
            "startup_s": time.perf_counter() - t,

@@ -78,6 +78,10 @@ class KernelLib:
     int_dot: str  # which instructions those use, e.g. "avx512-vnni vpdpbusd"
     # int4 weights times bf16 activations by vdpbf16ps (csrc/int4_bf16dot.h): AVX-512 builds on AVX512-BF16 CPUs
     linear_int4_bf16dot: Optional[Callable[..., torch.Tensor]] = None
+    # int8/int4 weights times bf16 activations on AMX tiles (csrc/amx.h): AVX-512 builds on AMX-BF16 CPUs whose
+    # kernel granted the process tile state
+    linear_int8_amx: Optional[Callable[..., torch.Tensor]] = None
+    linear_int4_amx: Optional[Callable[..., torch.Tensor]] = None
 
 
 def build_for(flags: frozenset[str]) -> Optional[str]:
@@ -100,12 +104,30 @@ def has_int4_bf16dot(isa: str, flags: frozenset[str]) -> bool:
     return isa.startswith("avx512") and "avx512_bf16" in flags
 
 
+def has_amx(isa: str, flags: frozenset[str]) -> bool:
+    """Whether `isa`'s build runs int8/int4 x bf16 on AMX tiles on a CPU with `flags` (AVX-512 builds, AMX-BF16)."""
+    return isa.startswith("avx512") and "amx_bf16" in flags and "amx_tile" in flags
+
+
+def _amx_ops(isa: str, ns) -> tuple[Optional[Callable[..., torch.Tensor]], Optional[Callable[..., torch.Tensor]]]:
+    if not has_amx(isa, cpu_flags()):
+        return None, None
+    if not hasattr(ns, "amx_ready"):  # a compiler without AMX intrinsics (GCC < 11) built it without them
+        logger.info("llmrt kernels (%s) built without AMX: int8/int4 batches dequantize for torch's GEMM", isa)
+        return None, None
+    if not ns.amx_ready.default():
+        logger.warning("the OS refused this process AMX tile state: int8/int4 batches dequantize for torch's GEMM")
+        return None, None
+    return ns.linear_int8_amx.default, ns.linear_int4_amx.default
+
+
 def _ops(isa: str, path: Path, how: str, seconds: float) -> KernelLib:
     ns = getattr(torch.ops, f"llmrt_{isa}")
     bf16dot = ns.linear_int4_bf16dot.default if has_int4_bf16dot(isa, cpu_flags()) else None
     return KernelLib(isa, path, how, seconds, ns.linear_bf16.default, ns.linear_fp32.default,
                      ns.linear_int8.default, ns.linear_int4.default, ns.unpack.default, ns.dequantize_int4.default,
-                     ns.linear_int8_q8.default, ns.linear_int4_q8.default, ns.int_dot.default(), bf16dot)
+                     ns.linear_int8_q8.default, ns.linear_int4_q8.default, ns.int_dot.default(), bf16dot,
+                     *_amx_ops(isa, ns))
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,8 +160,8 @@ def kernels() -> Optional[KernelLib]:
         logger.warning("llmrt kernels unavailable (%s: %s); linear layers use torch's paths",
                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
-    logger.info("llmrt kernels (%s) %s in %.2f s: %s", lib.isa, "loaded from cache" if lib.how == "cached"
-                else "compiled", lib.seconds, lib.path)
+    logger.info("llmrt kernels (%s%s) %s in %.2f s: %s", lib.isa, ", AMX tiles" if lib.linear_int4_amx else "",
+                "loaded from cache" if lib.how == "cached" else "compiled", lib.seconds, lib.path)
     return lib
 
 
@@ -159,6 +181,15 @@ def int4_bf16dot() -> bool:
     choice = os.environ.get("LLMRT_INT4_BF16DOT", "1").lower()
     if choice not in ("0", "1", "off", "on"):
         raise ValueError(f"LLMRT_INT4_BF16DOT={choice!r}: expected 1 or 0")
+    return choice in ("1", "on")
+
+
+def amx_enabled() -> bool:
+    """Whether int8/int4 layers run steps of AMX_ROWS rows with bf16 activations on AMX tiles where the CPU and
+    build have them: LLMRT_AMX=1 (the default) or 0 (the vector kernels, or dequantize + torch's GEMM)."""
+    choice = os.environ.get("LLMRT_AMX", "1").lower()
+    if choice not in ("0", "1", "off", "on"):
+        raise ValueError(f"LLMRT_AMX={choice!r}: expected 1 or 0")
     return choice in ("1", "on")
 
 

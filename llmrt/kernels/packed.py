@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn.functional as F
 
-from llmrt.kernels import int4_bf16dot, int8_activations
+from llmrt.kernels import amx_enabled, int4_bf16dot, int8_activations
 
 if TYPE_CHECKING:
     from llmrt.kernels import KernelLib
@@ -25,6 +25,14 @@ DENSE_COPY_SETTINGS = ("auto", "on", "off")
 # model: 0.25 GB of 24 GiB, kept; a 7B bf16 model: 13 GB, dropped).
 DENSE_COPY_MAX_SHARE = 1 / 8
 KC = {torch.float32: 16, torch.bfloat16: 32, torch.int8: 32}
+# Rows of a bf16 step that int8/int4 layers run on AMX tiles (csrc/amx.h), where the CPU has them. Measured with
+# benchmarks/amx_rows.py (the 124.7M model's 48 decoder linears, 2 threads, Xeon with AMX; benchmarks/amx-rows.md,
+# ms, tiles vs before): from 8 rows the tiles are faster (int4 8 rows 8.0 vs 14.0, 16 rows 10.4 vs 32.2, 64 rows 21.0
+# vs 41.0; int8 8 rows 9.1 vs 12.1, 64 rows 23.5 vs 36.3), at 4 they tie with the vector kernels and below lose
+# (1 row int4 7.4 vs 4.0: a panel's dequantization costs the same whatever the rows); at 128 rows they still win
+# (36 vs 46, 32 vs 53) and at 512 lose to dequantize + oneDNN's GEMM (int4 111 vs 54: the panel loop streams all
+# activations per 64 weight rows, with no cache blocking).
+AMX_ROWS = (8, 128)
 
 
 def _interleave(t: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -99,6 +107,8 @@ class PackedLinear:
     int8_act: bool = False
     # int4 with bf16 activations: the vdpbf16ps kernel (AVX512-BF16 CPUs; LLMRT_INT4_BF16DOT), unless int8_act
     bf16dot: bool = False
+    # int8/int4 steps of AMX_ROWS rows with bf16 activations on AMX tiles (AMX-BF16 CPUs; LLMRT_AMX), unless int8_act
+    amx: bool = False
 
     @classmethod
     def dense(cls, lib: "KernelLib", w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -107,16 +117,19 @@ class PackedLinear:
         fmt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}[w.dtype]
         if scale is not None:
             scale = _pad_rows(scale.float()).contiguous()
-        return cls(lib, fmt, w.shape[0], w.shape[1], pack_dense(w), scale=scale, bias=_bias(bias),
-                   int8_act=fmt == "int8" and int8_activations())
+        int8_act = fmt == "int8" and int8_activations()
+        return cls(lib, fmt, w.shape[0], w.shape[1], pack_dense(w), scale=scale, bias=_bias(bias), int8_act=int8_act,
+                   amx=fmt == "int8" and not int8_act and lib.linear_int8_amx is not None and amx_enabled())
 
     @classmethod
     def int4(cls, lib: "KernelLib", q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
              in_features: int, bias: Optional[torch.Tensor] = None) -> "PackedLinear":
         """quantize_int4's output (inputs padded to the group) for a layer of `in_features` inputs."""
         data, sz = pack_int4(q, scale, zero)
+        int8_act = int8_activations()
         return cls(lib, "int4", q.shape[0], in_features, data, sz=sz, group_size=group_size, bias=_bias(bias),
-                   int8_act=int8_activations(), bf16dot=lib.linear_int4_bf16dot is not None and int4_bf16dot())
+                   int8_act=int8_act, bf16dot=lib.linear_int4_bf16dot is not None and int4_bf16dot(),
+                   amx=not int8_act and lib.linear_int4_amx is not None and amx_enabled())
 
     @property
     def padded_in(self) -> int:
@@ -128,9 +141,19 @@ class PackedLinear:
         """Bytes the kernel streams per call (weights, scales)."""
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.sz) if t is not None)
 
+    def on_amx(self, x: torch.Tensor) -> bool:
+        """Whether this call runs on AMX tiles: a bf16 step of AMX_ROWS rows on a layer that has them."""
+        return self.amx and not self.int8_act and x.dim() == 2 and x.dtype == torch.bfloat16 \
+            and AMX_ROWS[0] <= x.shape[0] <= AMX_ROWS[1]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """y = x W^T + b for a 2-D float32/bfloat16 x (y in x's dtype)."""
         lib, b = self.lib, self.bias
+        if self.on_amx(x):
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            if self.fmt == "int4":
+                return lib.linear_int4_amx(x, self.data, self.sz, self.group_size, self.n, b)
+            return lib.linear_int8_amx(x, self.data, self.scale, self.n, b)
         if self.fmt == "int4":
             if self.bf16dot and not self.int8_act and x.dtype == torch.bfloat16:
                 return lib.linear_int4_bf16dot(x, self.data, self.sz, self.group_size, self.n, b)
