@@ -27,11 +27,12 @@ DENSE_COPY_MAX_SHARE = 1 / 8
 KC = {torch.float32: 16, torch.bfloat16: 32, torch.int8: 32}
 # Rows of a bf16 step that int8/int4 layers run on AMX tiles (csrc/amx.h), where the CPU has them. Measured with
 # benchmarks/amx_rows.py (the 124.7M model's 48 decoder linears, 2 threads, Xeon with AMX; benchmarks/amx-rows.md,
-# ms, tiles vs before): from 8 rows the tiles are faster (int4 8 rows 8.0 vs 14.0, 16 rows 10.4 vs 32.2, 64 rows 21.0
-# vs 41.0; int8 8 rows 9.1 vs 12.1, 64 rows 23.5 vs 36.3), at 4 they tie with the vector kernels and below lose
-# (1 row int4 7.4 vs 4.0: a panel's dequantization costs the same whatever the rows); at 128 rows they still win
-# (36 vs 46, 32 vs 53) and at 512 lose to dequantize + oneDNN's GEMM (int4 111 vs 54: the panel loop streams all
-# activations per 64 weight rows, with no cache blocking).
+# ms, tiles vs before, two runs at different minutes): from 8 rows the tiles are faster (int4 8 rows 8.0-10.9 vs
+# 14.0-25.6, 16 rows 7.8-10.4 vs 26-32, 64 rows 13.2-21.0 vs 23.8-41.0; int8 8 rows 9.1-11.4 vs 12.1-15.8, 64 rows
+# 14.3-23.5 vs 24.4-36.3), at 4 they tie with the vector kernels and below lose (1 row int4 7.4-12.3 vs 4.0-5.8: a
+# panel's dequantization costs the same whatever the rows); at 128 rows they still win (int4 23-36 vs 27-46) and at
+# 512 lose to dequantize + oneDNN's GEMM (75-111 vs 53-54: the panel loop streams all activations per 64 weight
+# rows, with no cache blocking).
 AMX_ROWS = (8, 128)
 
 

@@ -6,9 +6,9 @@
 // (a write and a read of the whole layer) and handed it to oneDNN, which also reorders plain weights on every call;
 // on an AMX CPU oneDNN's bf16 GEMM on prepacked weights is memory-bound up to ~64 rows, so quantized batches were
 // slower than bf16 ones despite reading 2-4x fewer weight bytes. Here 16 weight rows at a time are dequantized
-// into a small L1/L2-resident panel (bf16, the same values the dequantize+GEMM path computed: fp32 q*s + (z - 8s),
-// or q*s, rounded to nearest) and multiplied against every activation row by the tile unit, so the packed
-// weights are read once per step whatever the number of rows.
+// into a small L1/L2-resident panel (bf16: int4 the values the dequantize+GEMM path computed, fp32 q*s + (z - 8s)
+// rounded to nearest; int8 q itself, exact, its row scale applied to the results) and multiplied against every
+// activation row by the tile unit, so the packed weights are read once per step whatever the number of rows.
 //
 // The product is computed transposed, C[n][m] = sum_k W[n][k] x[m][k]: the weight panel is the A operand as it
 // is (16 rows of 32 inputs, 64 bytes each) and the activations, packed once per call, are the B operand (16
@@ -86,8 +86,10 @@ std::vector<uint32_t> vnni_activations(const c10::BFloat16* x, int64_t ldx, int6
 // Weight panels: 16 rows (blocks b0..b0+3, missing ones zero) as bf16 A tiles [Kp/32][16 rows][32], each tile one
 // contiguous KB (a strided panel put 16 rows of a K = 2048 layer 4 KB apart, in one L1 set).
 inline uint16_t* a_row(uint16_t* a, int64_t c, int row) { return a + (c * AT_N + row) * AT_K; }
+
 struct Int4Panel {
   const Int4& l;
+  const float* row_scale() const { return nullptr; }
   void fill(int64_t b0, int64_t blocks, uint16_t* a) const {
     const __m512i low = _mm512_set1_epi32(0xF);
     const int64_t groups = l.Kp / l.gs, per_group = l.gs / AT_K;
@@ -120,10 +122,13 @@ struct Int4Panel {
   }
 };
 
+// int8: the panel holds q itself (exact in bf16: |q| <= 127 fits its 8-bit significand) and the row scales are
+// applied to the fp32 results, so the fill is a widening and one conversion (and the product is exact in q).
 struct Int8Panel {
   const int8_t* w;  // Dense<int8_t>'s packed layout
   const float* scale;
   int64_t Kp;
+  const float* row_scale() const { return scale; }
   void fill(int64_t b0, int64_t blocks, uint16_t* a) const {
     for (int bi = 0; bi < 4; ++bi) {
       if (b0 + bi >= blocks) {
@@ -131,14 +136,12 @@ struct Int8Panel {
         continue;
       }
       const int8_t* p = w + (b0 + bi) * Kp * NB;
-      __m512 s[NB];
-      for (int j = 0; j < NB; ++j) s[j] = _mm512_set1_ps(scale[(b0 + bi) * NB + j]);
       for (int64_t c = 0; c < Kp / AT_K; ++c, p += NB * AT_K)
         for (int j = 0; j < NB; ++j) {
-          const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + j * AT_K))));
-          const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + j * AT_K + 16))));
-          _mm512_storeu_si512(a_row(a, c, bi * NB + j),
-                              (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s[j]), _mm512_mul_ps(lo, s[j])));
+          const __m128i* r = reinterpret_cast<const __m128i*>(p + j * AT_K);
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(r)));
+          const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(r + 1)));
+          _mm512_storeu_si512(a_row(a, c, bi * NB + j), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
   }
@@ -178,14 +181,16 @@ inline void amx_group(const uint16_t* a, int64_t Kp, const uint32_t* xm, float* 
 }
 
 // Rows m0.. of y (bf16, [M, n]) from a C tile [16 n][16 m]: each row is a column of the tile, gathered (stride 16
-// floats), plus the bias, rounded to bf16 and stored with a mask past n.
-inline void store_columns(const float* c, int64_t m0, int64_t M, int64_t n0, int64_t n, const Sink& sink) {
+// floats), times the row scales (int8) plus the bias, rounded to bf16 and stored with a mask past n.
+inline void store_columns(const float* c, int64_t m0, int64_t M, int64_t n0, int64_t n, const float* scale,
+                          const Sink& sink) {
   const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(AT_M));
   const __mmask16 valid = __mmask16((1u << std::min<int64_t>(AT_N, n - n0)) - 1u);
   const __m512 b = sink.bias ? _mm512_maskz_loadu_ps(valid, sink.bias + n0) : _mm512_setzero_ps();
+  const __m512 s = scale ? _mm512_maskz_loadu_ps(valid, scale + n0) : _mm512_set1_ps(1.0f);
   for (int64_t m = m0; m < std::min<int64_t>(M, m0 + AT_M); ++m) {
-    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(stride, c + (m - m0), 4), b);
+    const __m512 v = _mm512_fmadd_ps(_mm512_i32gather_ps(stride, c + (m - m0), 4), s, b);
     _mm256_mask_storeu_epi16(sink.bf16 + m * n + n0, valid, (__m256i)_mm512_cvtneps_pbh(v));
   }
 }
@@ -218,7 +223,8 @@ at::Tensor amx_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, i
         else if (nt == 3) amx_group<3>(a.data(), Kp, xm, &c[0][0][0]);
         else if (nt == 2) amx_group<2>(a.data(), Kp, xm, &c[0][0][0]);
         else amx_group<1>(a.data(), Kp, xm, &c[0][0][0]);
-        for (int i = 0; i < nt; ++i) store_columns(&c[i][0][0], mt * AT_M, M, AT_N * (g * AT_NT + i), n, sink);
+        for (int i = 0; i < nt; ++i)
+          store_columns(&c[i][0][0], mt * AT_M, M, AT_N * (g * AT_NT + i), n, panel.row_scale(), sink);
       }
     }
     _tile_release();
