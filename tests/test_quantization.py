@@ -38,6 +38,8 @@ def test_capability_table_by_isa_and_compute_capability():
     assert format_support(CPU, "int8", AVX2_ONLY).status == NATIVE
     assert format_support(CPU, "int8", frozenset()).status == EMULATED
     assert format_support(CPU, "fp8", SAPPHIRE).status == UNSUPPORTED
+    assert "AMX tiles" in format_support(CPU, "int4", SAPPHIRE | {"avx512bw", "avx512dq", "avx512vl", "amx_tile"}).detail
+    assert "AMX tiles" not in format_support(CPU, "int8", AVX2_ONLY).detail
     cuda = torch.device("cuda")
     assert format_support(cuda, "fp8", capability=(9, 0)).status == NATIVE
     assert format_support(cuda, "fp8", capability=(8, 0)).status == UNSUPPORTED
