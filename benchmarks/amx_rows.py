@@ -24,6 +24,8 @@ from llmrt.kernels.packed import PackedLinear
 from llmrt.model.quantization.int4 import quantize_int4
 from llmrt.model.quantization.int8 import quantize_int8
 
+from kernel_rows import best_of_rounds  # benchmarks/, the script's own folder
+
 SHAPES = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 METHODS = ("bf16 oneDNN prepacked", "int8 before", "int8 AMX", "int4 before", "int4 AMX")
@@ -69,14 +71,7 @@ def main() -> None:
         return (time.perf_counter() - t) * 1e3
 
     load0 = load_average()
-    table = {}
-    for rows in args.rows:
-        best = {m: float("inf") for m in METHODS}
-        for _ in range(args.rounds):
-            for m in METHODS:
-                best[m] = min(best[m], run(m, rows))
-        table[rows] = best
-        print(rows, {m: round(v, 2) for m, v in best.items()}, flush=True)
+    table = best_of_rounds(METHODS, args.rows, args.rounds, run)
     res = {"date": now_iso(), "machine": machine_info(), "isa": lib.isa, "threads": torch.get_num_threads(),
            "load_average": [load0, load_average()], "rounds": args.rounds, "row_limits_before": limits,
            "ms_per_48_linears": table}

@@ -15,6 +15,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,20 @@ from llmrt.kernels.packed import PackedLinear
 SHAPES = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12
 ROWS = (8, 16, 32, 48, 64)
 METHODS = ("ours fp32", "torch fp32 (dense)", "ours bf16", "torch fp32 over bf16 upcast")
+
+
+def best_of_rounds(methods: Sequence[str], row_counts: Sequence[int], rounds: int,
+                   run: Callable[[str, int], float]) -> dict[int, dict[str, float]]:
+    """{rows: {method: best ms}}: the methods alternate within each round, best of `rounds` (printed per rows)."""
+    table = {}
+    for rows in row_counts:
+        best = {m: float("inf") for m in methods}
+        for _ in range(rounds):
+            for m in methods:
+                best[m] = min(best[m], run(m, rows))
+        table[rows] = best
+        print(rows, {m: round(v, 2) for m, v in best.items()}, flush=True)
+    return table
 
 
 def main() -> None:
@@ -57,14 +72,7 @@ def main() -> None:
         return (time.perf_counter() - t) * 1e3
 
     load0 = load_average()
-    table = {}
-    for rows in ROWS:
-        best = {m: float("inf") for m in METHODS}
-        for _ in range(args.rounds):
-            for m in METHODS:
-                best[m] = min(best[m], run(m, rows))
-        table[rows] = best
-        print(rows, {m: round(v, 2) for m, v in best.items()}, flush=True)
+    table = best_of_rounds(METHODS, ROWS, args.rounds, run)
     res = {"date": now_iso(), "machine": machine_info(), "isa": lib.isa, "threads": torch.get_num_threads(),
            "load_average": [load0, load_average()], "rounds": args.rounds, "ms_per_48_linears": table}
     out = Path(__file__).parent / f"kernel-rows-{lib.isa}"
