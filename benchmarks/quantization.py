@@ -78,14 +78,14 @@ def main() -> None:
         for k, v in ((k, CONFIGS[k]) for k in args.configs):
             label = f"{k} (torch)" if paths == "torch" else k
             llms[label] = LLM(str(path), max_model_len=args.max_model_len, device=args.device, **memory, **v)
-            if args.int8_act and paths == "ours" and v.get("quantization"):
-                os.environ["LLMRT_INT8_ACTIVATIONS"] = "1"
-                llms[f"{k} (int8 act)"] = LLM(str(path), max_model_len=args.max_model_len, device=args.device, **memory, **v)
-                os.environ.pop("LLMRT_INT8_ACTIVATIONS")
-            if args.amx_ab and paths == "ours" and v.get("quantization"):
-                os.environ["LLMRT_AMX"] = "0"
-                llms[f"{k} (no AMX)"] = LLM(str(path), max_model_len=args.max_model_len, device=args.device, **memory, **v)
-                os.environ.pop("LLMRT_AMX")
+            # int8/int4 variants: the same config built with one switch set (read when its layers are packed)
+            for wanted, var, value, suffix in ((args.int8_act, "LLMRT_INT8_ACTIVATIONS", "1", "int8 act"),
+                                               (args.amx_ab, "LLMRT_AMX", "0", "no AMX")):
+                if wanted and paths == "ours" and v.get("quantization"):
+                    os.environ[var] = value
+                    llms[f"{k} ({suffix})"] = LLM(str(path), max_model_len=args.max_model_len, device=args.device,
+                                                  **memory, **v)
+                    os.environ.pop(var)
     lib = llmrt.kernels.kernels()
     prompt = list(range(10, 42))
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)

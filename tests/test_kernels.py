@@ -212,6 +212,7 @@ def test_int8_int4_on_amx_tiles(fmt, monkeypatch):
         full = p(x)
         assert torch.equal(full, torch.cat([p(x[i:i + lo]) for i in range(0, hi, lo)])), (fmt, n, k)
         assert not p.on_amx(x[:lo - 1]) and not p.on_amx(torch.cat([x, x]))
+        assert not dataclasses.replace(p, int8_act=True).on_amx(x[:lo])  # int8 activations keep their kernels
     monkeypatch.setenv("LLMRT_AMX", "0")
     assert not _packed(lib, 37, 100, fmt, None, False)[0].amx
 

@@ -22,6 +22,8 @@ import threading
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 
 def channel(ctx: Any = None, background: bool = False) -> tuple["ChannelReader", "ChannelWriter"]:
     """A new channel: (reader end, writer end); `background` makes the writer send from a feeder thread."""
@@ -186,7 +188,6 @@ class ChannelWriter:
 
 
 _READ_CHUNK = 1 << 16
-logger = logging.getLogger(__name__)
 
 
 def _frame(buf: bytearray) -> tuple[int, int] | None:

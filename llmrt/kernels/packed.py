@@ -108,7 +108,7 @@ class PackedLinear:
     int8_act: bool = False
     # int4 with bf16 activations: the vdpbf16ps kernel (AVX512-BF16 CPUs; LLMRT_INT4_BF16DOT), unless int8_act
     bf16dot: bool = False
-    # int8/int4 steps of AMX_ROWS rows with bf16 activations on AMX tiles (AMX-BF16 CPUs; LLMRT_AMX), unless int8_act
+    # int8/int4: the AMX tile kernel is there (AMX-BF16 CPUs; LLMRT_AMX); on_amx says which calls take it
     amx: bool = False
 
     @classmethod
@@ -118,19 +118,18 @@ class PackedLinear:
         fmt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}[w.dtype]
         if scale is not None:
             scale = _pad_rows(scale.float()).contiguous()
-        int8_act = fmt == "int8" and int8_activations()
-        return cls(lib, fmt, w.shape[0], w.shape[1], pack_dense(w), scale=scale, bias=_bias(bias), int8_act=int8_act,
-                   amx=fmt == "int8" and not int8_act and lib.linear_int8_amx is not None and amx_enabled())
+        return cls(lib, fmt, w.shape[0], w.shape[1], pack_dense(w), scale=scale, bias=_bias(bias),
+                   int8_act=fmt == "int8" and int8_activations(),
+                   amx=fmt == "int8" and lib.linear_int8_amx is not None and amx_enabled())
 
     @classmethod
     def int4(cls, lib: "KernelLib", q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
              in_features: int, bias: Optional[torch.Tensor] = None) -> "PackedLinear":
         """quantize_int4's output (inputs padded to the group) for a layer of `in_features` inputs."""
         data, sz = pack_int4(q, scale, zero)
-        int8_act = int8_activations()
         return cls(lib, "int4", q.shape[0], in_features, data, sz=sz, group_size=group_size, bias=_bias(bias),
-                   int8_act=int8_act, bf16dot=lib.linear_int4_bf16dot is not None and int4_bf16dot(),
-                   amx=not int8_act and lib.linear_int4_amx is not None and amx_enabled())
+                   int8_act=int8_activations(), bf16dot=lib.linear_int4_bf16dot is not None and int4_bf16dot(),
+                   amx=lib.linear_int4_amx is not None and amx_enabled())
 
     @property
     def padded_in(self) -> int:
@@ -143,9 +142,10 @@ class PackedLinear:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.sz) if t is not None)
 
     def on_amx(self, x: torch.Tensor) -> bool:
-        """Whether this call runs on AMX tiles: a bf16 step of AMX_ROWS rows on a layer that has them."""
-        return self.amx and not self.int8_act and x.dim() == 2 and x.dtype == torch.bfloat16 \
-            and AMX_ROWS[0] <= x.shape[0] <= AMX_ROWS[1]
+        """Whether this call runs on AMX tiles: a bf16 step of AMX_ROWS rows on a layer that has them, unless its
+        activations are quantized to int8 (LLMRT_INT8_ACTIVATIONS)."""
+        return self.amx and AMX_ROWS[0] <= x.shape[0] <= AMX_ROWS[1] and x.dtype == torch.bfloat16 \
+            and x.dim() == 2 and not self.int8_act
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """y = x W^T + b for a 2-D float32/bfloat16 x (y in x's dtype)."""

@@ -152,7 +152,7 @@ class Int4LinearMethod(UnquantizedLinearMethod):
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         out_dtype, b = x.dtype, layer.bias
         if layer.packed is not None:
-            if use_kernel(layer, x) or layer.packed.on_amx(x):  # pads x itself
+            if use_kernel(layer, x):  # pads x itself
                 return layer.packed(x)
             w = unpacked(layer, x)
             x = F.pad(x, (0, layer.int4_in_pad)) if layer.int4_in_pad else x

@@ -52,7 +52,7 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         out_dtype = x.dtype
         b = layer.bias
         if layer.packed is not None:
-            if use_kernel(layer, x) or layer.packed.on_amx(x):
+            if use_kernel(layer, x):
                 return layer.packed(x)
             w = unpacked(layer, x)
             return F.linear(x.to(w.dtype), w, b.to(w.dtype) if b is not None else None).to(out_dtype)
