@@ -29,9 +29,10 @@ ROWS = [1, 2, 3, 5, 8, 17, 64]
 def _weights(lib: K.KernelLib, n: int, k: int, fmt: str, bias=None, int8_act: bool = False,
              amx: bool = False) -> tuple[PackedLinear, torch.Tensor]:
     """(the packed layer, the dense fp64 weights it stands for); int8/int4 with fp32 or int8 activations. The
-    vector kernels unless `amx` (then int8/int4 bf16 steps of AMX_ROWS rows run on AMX tiles, where there are)."""
+    vector kernels unless `amx` (then int8/int4 bf16 steps run the batched kernels where there are: AMX tiles,
+    or vdpbf16ps panels)."""
     p, dense = _packed(lib, n, k, fmt, bias, int8_act)
-    return dataclasses.replace(p, amx=p.amx and amx), dense
+    return dataclasses.replace(p, amx=p.amx and amx, bf16gemm=p.bf16gemm and amx), dense
 
 
 def _packed(lib: K.KernelLib, n: int, k: int, fmt: str, bias, int8_act: bool) -> tuple[PackedLinear, torch.Tensor]:
@@ -165,7 +166,7 @@ def test_int4_times_bf16_by_vdpbf16ps(isa, gs, monkeypatch):
         sz = torch.stack([sc, z], -1).bfloat16().double()
         dense = ((q.double().view(n, -1, gs) - 8) * sz[..., 0][..., None] + sz[..., 1][..., None]).view(n, kp)[:, :k]
         bias = torch.randn(n)
-        p = dataclasses.replace(PackedLinear.int4(lib, q, sc, z, gs, k, bias), amx=False)  # 9 rows: not on tiles
+        p = dataclasses.replace(PackedLinear.int4(lib, q, sc, z, gs, k, bias), amx=False, bf16gemm=False)
         assert p.bf16dot
         for rows in (1, 3, 4, 9):
             x = torch.randn(rows, k).bfloat16()
@@ -182,27 +183,31 @@ def test_int4_times_bf16_by_vdpbf16ps(isa, gs, monkeypatch):
 
 
 HAS_AMX = K.has_amx("avx512", cpu_flags())
+HAS_BF16_GEMM = K.has_bf16_dot("avx512", cpu_flags()) and not HAS_AMX
 
 
-@pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16 tiles")
+@pytest.mark.parametrize("route", ["amx", "bf16gemm"])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_int8_int4_on_amx_tiles(fmt, monkeypatch):
-    """csrc/amx.h: bf16 steps of AMX_ROWS rows against the float64 product (the weights rounded to bf16 once, as
-    the dequantize + GEMM path rounded them: 2^-8 of sum|x||w|, plus the output's bf16 rounding), a row's result
-    the same within any batch it runs in, only bf16 steps of AMX_ROWS rows on the tiles, and off with LLMRT_AMX=0."""
-    from llmrt.kernels.packed import AMX_ROWS
+def test_int8_int4_batch_kernels(route, fmt, monkeypatch):
+    """csrc/amx.h (AMX tiles) and csrc/bf16_gemm.h (vdpbf16ps panels, CPUs without AMX): bf16 steps of their rows
+    against the float64 product (the weights rounded to bf16 once, as the dequantize + GEMM path rounded them:
+    2^-8 of sum|x||w|, plus the output's bf16 rounding), a row's result the same within any batch it runs in, only
+    bf16 steps of their rows taken, and off with their switch (LLMRT_AMX=0, LLMRT_BF16_GEMM=0)."""
+    from llmrt.kernels.packed import AMX_ROWS, BF16_GEMM_ROWS
 
+    if not (HAS_AMX if route == "amx" else HAS_BF16_GEMM):
+        pytest.skip(f"this CPU does not run the {route} kernels")
     torch.manual_seed(6)
     lib = K.load("avx512vnni" if "avx512vnni" in ISAS else "avx512")
-    assert lib.linear_int8_amx is not None and lib.linear_int4_amx is not None
-    lo, hi = AMX_ROWS
+    lo, hi = AMX_ROWS if route == "amx" else BF16_GEMM_ROWS[fmt]
     for n, k in SHAPES + [(4096, 768), (70, 2048)]:
         bias = torch.randn(n).bfloat16()
         p, dense = _weights(lib, n, k, fmt, bias, amx=True)
-        assert p.amx
+        takes = p.on_amx if route == "amx" else p.on_bf16gemm
+        assert getattr(p, route) and not getattr(p, "bf16gemm" if route == "amx" else "amx")
         x = torch.randn(hi, k).bfloat16()
         for rows in (lo, lo + 1, 17, 33, hi):
-            assert p.on_amx(x[:rows]) and not p.on_amx(x[:rows].float())
+            assert takes(x[:rows]) and p.on_batch_kernel(x[:rows]) and not takes(x[:rows].float())
             ref = x[:rows].double() @ dense.T + bias.double()
             y = p(x[:rows])
             assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
@@ -210,11 +215,12 @@ def test_int8_int4_on_amx_tiles(fmt, monkeypatch):
                 2 ** -8 * torch.maximum(ref.abs(), y.double().abs())
             assert ((y.double() - ref).abs() <= tol).all(), (fmt, n, k, rows)
         full = p(x)
-        assert torch.equal(full, torch.cat([p(x[i:i + lo]) for i in range(0, hi, lo)])), (fmt, n, k)
-        assert not p.on_amx(x[:lo - 1]) and not p.on_amx(torch.cat([x, x]))
-        assert not dataclasses.replace(p, int8_act=True).on_amx(x[:lo])  # int8 activations keep their kernels
-    monkeypatch.setenv("LLMRT_AMX", "0")
-    assert not _packed(lib, 37, 100, fmt, None, False)[0].amx
+        parts = [p(x[i:i + lo]) for i in range(0, hi - hi % lo, lo)]
+        assert torch.equal(full[:hi - hi % lo], torch.cat(parts)), (fmt, n, k)
+        assert not takes(x[:lo - 1]) and not takes(torch.cat([x, x]))
+        assert not dataclasses.replace(p, int8_act=True).on_batch_kernel(x[:lo])  # int8 activations keep theirs
+    monkeypatch.setenv("LLMRT_AMX" if route == "amx" else "LLMRT_BF16_GEMM", "0")
+    assert not getattr(_packed(lib, 37, 100, fmt, None, False)[0], route)
 
 
 @pytest.mark.skipif(HAS_AMX, reason="this CPU has AMX tiles")

@@ -170,19 +170,24 @@ def test_int8_activations_on_the_embedded_model(embedded_model_dir, monkeypatch)
     assert q4.top1_agreement >= 0.85 and q4.perplexity <= base * 1.07, q4
 
 
-@pytest.mark.skipif(not has_amx("avx512", cpu_flags()), reason="this CPU has no AMX-BF16 tiles")
-@pytest.mark.parametrize("amx", ["1", "0"])
-def test_bf16_int8_int4_quality_on_and_off_amx_tiles(embedded_model_dir, monkeypatch, amx):
-    """A bf16 model's 16-token prefill chunks run int8/int4 layers on AMX tiles (each call counted), weights rounded
-    to bf16 in the panel: the same bounds as fp32 hold with the tiles on and off. Measured on a Xeon with AMX:
-    int8 0.988 / -0.20% on, -0.22% off; int4 0.882 / +5.6% on, 0.870 / +5.6% off; bf16 unquantized 0.994 / -0.02%."""
+@pytest.mark.parametrize("route", ["amx", "bf16gemm"])
+@pytest.mark.parametrize("on", ["1", "0"])
+def test_bf16_int8_int4_quality_on_and_off_batch_kernels(embedded_model_dir, monkeypatch, route, on):
+    """A bf16 model's 16-token prefill chunks run int8/int4 layers on the batched kernels (AMX tiles, or vdpbf16ps
+    panels on AVX512-BF16 CPUs without AMX; each call counted), weights rounded to bf16 in the panel: the same
+    bounds as fp32 hold with them on and off. Measured on a Xeon with AMX: int8 0.988 / -0.20% on, -0.22% off;
+    int4 0.882 / +5.6% on, 0.870 / +5.6% off; bf16 unquantized 0.994 / -0.02%."""
     from llmrt.bench.quality import DEFAULT_TEXT, perplexity
-    from llmrt.kernels import kernels
+    from llmrt.kernels import has_bf16_dot, kernels
     from llmrt.tokenizer import load_tokenizer
 
-    monkeypatch.setenv("LLMRT_AMX", amx)
+    amx = has_amx("avx512", cpu_flags())
+    if not (amx if route == "amx" else has_bf16_dot("avx512", cpu_flags()) and not amx):
+        pytest.skip(f"this CPU does not run the {route} kernels")
+    monkeypatch.setenv("LLMRT_AMX" if route == "amx" else "LLMRT_BF16_GEMM", on)
     lib, calls = kernels(), []
-    for name in ("linear_int8_amx", "linear_int4_amx"):
+    names = (f"linear_int8_{route}", f"linear_int4_{route}")
+    for name in names:
         op = getattr(lib, name)
         monkeypatch.setattr(lib, name, lambda *a, _op=op, _n=name: calls.append(_n) or _op(*a))
     tokens = load_tokenizer(str(embedded_model_dir)).encode(DEFAULT_TEXT)
@@ -192,8 +197,8 @@ def test_bf16_int8_int4_quality_on_and_off_amx_tiles(embedded_model_dir, monkeyp
     assert q8.top1_agreement >= 0.98 and q8.perplexity <= base * 1.01, q8
     q4 = quality_of(str(embedded_model_dir), tokens, "int4", group_size=32, ref=ref, dtype="bfloat16")
     assert q4.top1_agreement >= 0.85 and q4.perplexity <= base * 1.07, q4
-    if amx == "1":
-        assert "linear_int8_amx" in calls and "linear_int4_amx" in calls
+    if on == "1":
+        assert set(names) <= set(calls)
     else:
         assert not calls
 

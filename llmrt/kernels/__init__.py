@@ -82,6 +82,9 @@ class KernelLib:
     # kernel granted the process tile state
     linear_int8_amx: Optional[Callable[..., torch.Tensor]] = None
     linear_int4_amx: Optional[Callable[..., torch.Tensor]] = None
+    # the same by vdpbf16ps from a bf16 panel (csrc/bf16_gemm.h): AVX-512 builds on AVX512-BF16 CPUs
+    linear_int8_bf16gemm: Optional[Callable[..., torch.Tensor]] = None
+    linear_int4_bf16gemm: Optional[Callable[..., torch.Tensor]] = None
 
 
 def build_for(flags: frozenset[str]) -> Optional[str]:
@@ -99,8 +102,9 @@ def build_dir(isa: str) -> Path:
     return build.build_dir("kernels", f"llmrt_kernels_{isa}", sorted(CSRC.iterdir()), _cflags(isa))
 
 
-def has_int4_bf16dot(isa: str, flags: frozenset[str]) -> bool:
-    """Whether `isa`'s build runs int4 x bf16 by vdpbf16ps on a CPU with `flags` (AVX-512 builds, AVX512-BF16)."""
+def has_bf16_dot(isa: str, flags: frozenset[str]) -> bool:
+    """Whether `isa`'s build has the vdpbf16ps kernels (int4 x bf16 vectors, int8/int4 x bf16 panels) on a CPU with
+    `flags` (AVX-512 builds, AVX512-BF16)."""
     return isa.startswith("avx512") and "avx512_bf16" in flags
 
 
@@ -123,11 +127,13 @@ def _amx_ops(isa: str, ns) -> tuple[Optional[Callable[..., torch.Tensor]], Optio
 
 def _ops(isa: str, path: Path, how: str, seconds: float) -> KernelLib:
     ns = getattr(torch.ops, f"llmrt_{isa}")
-    bf16dot = ns.linear_int4_bf16dot.default if has_int4_bf16dot(isa, cpu_flags()) else None
+    bf16 = has_bf16_dot(isa, cpu_flags())
     return KernelLib(isa, path, how, seconds, ns.linear_bf16.default, ns.linear_fp32.default,
                      ns.linear_int8.default, ns.linear_int4.default, ns.unpack.default, ns.dequantize_int4.default,
-                     ns.linear_int8_q8.default, ns.linear_int4_q8.default, ns.int_dot.default(), bf16dot,
-                     *_amx_ops(isa, ns))
+                     ns.linear_int8_q8.default, ns.linear_int4_q8.default, ns.int_dot.default(),
+                     ns.linear_int4_bf16dot.default if bf16 else None, *_amx_ops(isa, ns),
+                     ns.linear_int8_bf16gemm.default if bf16 else None,
+                     ns.linear_int4_bf16gemm.default if bf16 else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,32 +171,36 @@ def kernels() -> Optional[KernelLib]:
     return lib
 
 
+def _switch(var: str, default: str) -> bool:
+    choice = os.environ.get(var, default).lower()
+    if choice not in ("0", "1", "off", "on"):
+        raise ValueError(f"{var}={choice!r}: expected 1 or 0")
+    return choice in ("1", "on")
+
+
 def int8_activations() -> bool:
     """Whether int8/int4 layers quantize their activations to int8 (per block of 32, as llama.cpp's Q8_0) and
     use integer dot products: LLMRT_INT8_ACTIVATIONS=1, or 0 (the default: fp32 activations, weights widened
     in registers; the int8 scheme misses some of the random-model agreement bounds, docs/quantization.md)."""
-    choice = os.environ.get("LLMRT_INT8_ACTIVATIONS", "0").lower()
-    if choice not in ("0", "1", "off", "on"):
-        raise ValueError(f"LLMRT_INT8_ACTIVATIONS={choice!r}: expected 1 or 0")
-    return choice in ("1", "on")
+    return _switch("LLMRT_INT8_ACTIVATIONS", "0")
 
 
 def int4_bf16dot() -> bool:
     """Whether int4 layers given bf16 activations use the AVX512-BF16 kernel where the CPU and build have it:
     LLMRT_INT4_BF16DOT=1 (the default) or 0 (the float kernel, which widens each nibble to fp32)."""
-    choice = os.environ.get("LLMRT_INT4_BF16DOT", "1").lower()
-    if choice not in ("0", "1", "off", "on"):
-        raise ValueError(f"LLMRT_INT4_BF16DOT={choice!r}: expected 1 or 0")
-    return choice in ("1", "on")
+    return _switch("LLMRT_INT4_BF16DOT", "1")
 
 
 def amx_enabled() -> bool:
     """Whether int8/int4 layers run steps of AMX_ROWS rows with bf16 activations on AMX tiles where the CPU and
     build have them: LLMRT_AMX=1 (the default) or 0 (the vector kernels, or dequantize + torch's GEMM)."""
-    choice = os.environ.get("LLMRT_AMX", "1").lower()
-    if choice not in ("0", "1", "off", "on"):
-        raise ValueError(f"LLMRT_AMX={choice!r}: expected 1 or 0")
-    return choice in ("1", "on")
+    return _switch("LLMRT_AMX", "1")
+
+
+def bf16_gemm_enabled() -> bool:
+    """Whether int8/int4 layers run steps of BF16_GEMM_ROWS rows with bf16 activations by vdpbf16ps from a bf16
+    panel where the CPU has AVX512-BF16 and no AMX: LLMRT_BF16_GEMM=1 (the default) or 0 (as LLMRT_AMX=0)."""
+    return _switch("LLMRT_BF16_GEMM", "1")
 
 
 def max_rows(isa: str, fmt: str) -> int:

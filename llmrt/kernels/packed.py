@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn.functional as F
 
-from llmrt.kernels import amx_enabled, int4_bf16dot, int8_activations
+from llmrt.kernels import amx_enabled, bf16_gemm_enabled, int4_bf16dot, int8_activations
 
 if TYPE_CHECKING:
     from llmrt.kernels import KernelLib
@@ -34,6 +34,12 @@ KC = {torch.float32: 16, torch.bfloat16: 32, torch.int8: 32}
 # 512 lose to dequantize + oneDNN's GEMM (75-111 vs 53-54: the panel loop streams all activations per 64 weight
 # rows, with no cache blocking).
 AMX_ROWS = (8, 128)
+# Rows of a bf16 step that int8/int4 layers run by vdpbf16ps from bf16 panels (csrc/bf16_gemm.h) on AVX512-BF16
+# CPUs without AMX. Measured with benchmarks/batch_rows.py (the 124.7M model's 48 decoder linears, 2 threads,
+# AMD EPYC with AVX512-BF16, 2026-12-06; benchmarks/batch-rows-bf16gemm.md): from 5 rows int8 is faster than its
+# vector kernel, from 9 int4 (at 8 they tie); up to 256 rows faster than dequantize + oneDNN's GEMM, at 512 slower
+# (the panel loop streams all activations per 16 weight rows, with no cache blocking).
+BF16_GEMM_ROWS = {"int8": (5, 256), "int4": (9, 256)}
 
 
 def _interleave(t: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -110,6 +116,8 @@ class PackedLinear:
     bf16dot: bool = False
     # int8/int4: the AMX tile kernel is there (AMX-BF16 CPUs; LLMRT_AMX); on_amx says which calls take it
     amx: bool = False
+    # int8/int4: the vdpbf16ps panel kernel, where there is no AMX (AVX512-BF16 CPUs; LLMRT_BF16_GEMM)
+    bf16gemm: bool = False
 
     @classmethod
     def dense(cls, lib: "KernelLib", w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -118,18 +126,21 @@ class PackedLinear:
         fmt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}[w.dtype]
         if scale is not None:
             scale = _pad_rows(scale.float()).contiguous()
+        amx = fmt == "int8" and lib.linear_int8_amx is not None and amx_enabled()
         return cls(lib, fmt, w.shape[0], w.shape[1], pack_dense(w), scale=scale, bias=_bias(bias),
-                   int8_act=fmt == "int8" and int8_activations(),
-                   amx=fmt == "int8" and lib.linear_int8_amx is not None and amx_enabled())
+                   int8_act=fmt == "int8" and int8_activations(), amx=amx,
+                   bf16gemm=fmt == "int8" and not amx and lib.linear_int8_bf16gemm is not None
+                   and bf16_gemm_enabled())
 
     @classmethod
     def int4(cls, lib: "KernelLib", q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
              in_features: int, bias: Optional[torch.Tensor] = None) -> "PackedLinear":
         """quantize_int4's output (inputs padded to the group) for a layer of `in_features` inputs."""
         data, sz = pack_int4(q, scale, zero)
+        amx = lib.linear_int4_amx is not None and amx_enabled()
         return cls(lib, "int4", q.shape[0], in_features, data, sz=sz, group_size=group_size, bias=_bias(bias),
                    int8_act=int8_activations(), bf16dot=lib.linear_int4_bf16dot is not None and int4_bf16dot(),
-                   amx=lib.linear_int4_amx is not None and amx_enabled())
+                   amx=amx, bf16gemm=not amx and lib.linear_int4_bf16gemm is not None and bf16_gemm_enabled())
 
     @property
     def padded_in(self) -> int:
@@ -144,17 +155,33 @@ class PackedLinear:
     def on_amx(self, x: torch.Tensor) -> bool:
         """Whether this call runs on AMX tiles: a bf16 step of AMX_ROWS rows on a layer that has them, unless its
         activations are quantized to int8 (LLMRT_INT8_ACTIVATIONS)."""
-        return self.amx and AMX_ROWS[0] <= x.shape[0] <= AMX_ROWS[1] and x.dtype == torch.bfloat16 \
-            and x.dim() == 2 and not self.int8_act
+        return self.amx and AMX_ROWS[0] <= x.shape[0] <= AMX_ROWS[1] and self._bf16_batch(x)
+
+    def on_bf16gemm(self, x: torch.Tensor) -> bool:
+        """Whether this call runs the vdpbf16ps panel kernel: a bf16 step of BF16_GEMM_ROWS[fmt] rows on a layer
+        that has it, unless its activations are quantized to int8."""
+        if not self.bf16gemm:
+            return False
+        lo, hi = BF16_GEMM_ROWS[self.fmt]
+        return lo <= x.shape[0] <= hi and self._bf16_batch(x)
+
+    def on_batch_kernel(self, x: torch.Tensor) -> bool:
+        """Whether this call runs one of the batched int8/int4 x bf16 kernels (AMX tiles or vdpbf16ps panels)."""
+        return self.on_amx(x) or self.on_bf16gemm(x)
+
+    def _bf16_batch(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and x.dim() == 2 and not self.int8_act
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """y = x W^T + b for a 2-D float32/bfloat16 x (y in x's dtype)."""
         lib, b = self.lib, self.bias
-        if self.on_amx(x):
+        amx = self.on_amx(x)
+        if amx or self.on_bf16gemm(x):
             x = x if x.stride(-1) == 1 else x.contiguous()
             if self.fmt == "int4":
-                return lib.linear_int4_amx(x, self.data, self.sz, self.group_size, self.n, b)
-            return lib.linear_int8_amx(x, self.data, self.scale, self.n, b)
+                fn4 = lib.linear_int4_amx if amx else lib.linear_int4_bf16gemm
+                return fn4(x, self.data, self.sz, self.group_size, self.n, b)
+            return (lib.linear_int8_amx if amx else lib.linear_int8_bf16gemm)(x, self.data, self.scale, self.n, b)
         if self.fmt == "int4":
             if self.bf16dot and not self.int8_act and x.dtype == torch.bfloat16:
                 return lib.linear_int4_bf16dot(x, self.data, self.sz, self.group_size, self.n, b)

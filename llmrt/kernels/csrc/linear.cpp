@@ -311,6 +311,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& wp, const at::Tens
 #include "qlinear.h"  // int8/int4 weights times int8-quantized activations (integer dot products)
 #include "int4_bf16dot.h"  // int4 weights times bf16 activations by vdpbf16ps (AVX-512 builds, AVX512-BF16 CPUs)
 #include "amx.h"  // int8/int4 weights times bf16 activations on AMX tiles (AVX-512 builds, AMX-BF16 CPUs)
+#include "bf16_gemm.h"  // the same by vdpbf16ps for several rows (AVX-512 builds, AVX512-BF16 CPUs)
 
 namespace {
 
@@ -396,6 +397,10 @@ LLMRT_LIBRARY(LLMRT_NS, m) {
 #if defined(LLMRT_AVX512)
   m.def("linear_int4_bf16dot(Tensor x, Tensor wp, Tensor sz, int group_size, int n, Tensor? bias) -> Tensor",
         &linear_int4_bf16dot);
+  m.def("linear_int4_bf16gemm(Tensor x, Tensor wp, Tensor sz, int group_size, int n, Tensor? bias) -> Tensor",
+        &linear_int4_bf16gemm);
+  m.def("linear_int8_bf16gemm(Tensor x, Tensor wp, Tensor scale, int n, Tensor? bias) -> Tensor",
+        &linear_int8_bf16gemm);
 #endif
 #if defined(LLMRT_AMX)
   m.def("amx_ready() -> bool", &amx_ready);

@@ -54,10 +54,11 @@ KERNEL_X_DTYPES = (torch.float32, torch.bfloat16)  # activations llmrt's kernels
 
 def use_kernel(layer: "Linear", x: torch.Tensor) -> bool:
     """Whether this step of `layer` runs llmrt's own kernels (chosen at load, by rows, for 2-D fp32/bf16 x): up to
-    its vector kernels' rows, or a step the packed layer runs on AMX tiles (`PackedLinear.on_amx`)."""
+    its vector kernels' rows, or a step the packed layer runs on a batched int8/int4 kernel (AMX tiles or vdpbf16ps
+    panels: `PackedLinear.on_batch_kernel`)."""
     if x.dim() != 2 or x.dtype not in KERNEL_X_DTYPES:
         return False
-    return x.shape[0] <= layer.kernel_max_rows or (layer.packed is not None and layer.packed.on_amx(x))
+    return x.shape[0] <= layer.kernel_max_rows or (layer.packed is not None and layer.packed.on_batch_kernel(x))
 
 
 def pack_for_kernels(layer: "Linear", w: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:

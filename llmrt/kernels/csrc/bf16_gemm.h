@@ -1,0 +1,128 @@
+// int8/int4 weights times bfloat16 activations by AVX512-BF16's vdpbf16ps, for steps of several rows (batched
+// decode, prefill chunks) on CPUs without AMX. Included by linear.cpp in the AVX-512 builds only; compiled for
+// AVX512-BF16 by a target pragma and called only where the CPU has it (Python checks the flag).
+//
+// Why: above the vector kernels' few rows (they widen to fp32 and are FMA-bound from ~16 rows) a step dequantized
+// every layer into a shared bf16 buffer (a write and a read of the whole layer) and handed it to oneDNN, which
+// also reorders plain weights on every call, so quantized batches ran slower than bf16's prepacked ones. Here, as
+// on AMX tiles (amx.h), 16 weight rows at a time are dequantized into a bf16 panel that stays in L1/L2
+// (bf16_panel.h) and multiplied against every activation row, so the packed weights are read once per step.
+//
+// The product is computed transposed, C[n][m] = sum_k W[n][k] x[m][k], from the activations in bf16 pairs
+// (16 rows m a vector, one vector per pair of inputs): each weight pair (W[n][2k'], W[n][2k'+1]) is broadcast
+// and one vdpbf16ps adds both products for 16 rows. A register tile is nr weight rows by mv vectors of 16 rows,
+// so a broadcast serves mv vectors and an activation load nr weight rows. Each output is one chain over
+// k in order, whatever M is, so a row's result does not depend on the batch.
+#pragma once
+
+#include "bf16_panel.h"
+
+#if defined(LLMRT_AVX512)
+#pragma GCC push_options
+#pragma GCC target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq")
+#include <immintrin.h>
+
+namespace {
+
+constexpr int DP_MV = 4;  // activation tiles of 16 rows per register tile, at most
+
+// Weight rows per register tile for mv activation tiles: enough independent accumulators (nr * mv = 16, 24 for
+// mv = 3) to cover vdpbf16ps's latency at two issues a cycle, and AT_N a multiple of it.
+constexpr int dp_rows(int mv) { return mv == 1 ? 16 : mv == 4 ? 4 : 8; }
+
+// c[i][r0 + r][m] = panel rows r0..r0+nr-1 times the mv activation tiles at xm (i-th at xm + i * tstride), over
+// all Kp inputs.
+// pf: pf_lines cache lines to prefetch per chunk (the next panel's packed weights, so that reading them from
+// memory overlaps this panel's products instead of following them), or null.
+template <int nr, int mv>
+inline void dp_tile(const uint16_t* a, int64_t Kt, int r0, const uint32_t* xm, int64_t tstride, float* c,
+                    const char* pf, int pf_lines) {
+  __m512 acc[nr][mv];
+  for (int r = 0; r < nr; ++r)
+    for (int i = 0; i < mv; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t kt = 0; kt < Kt; ++kt) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(a_row(a, kt, r0));
+    const uint32_t* x = xm + kt * AT_M * 16;
+    if (pf)
+      for (int j = 0; j < pf_lines; ++j) _mm_prefetch(pf + (kt * pf_lines + j) * 64, _MM_HINT_T1);
+    for (int k = 0; k < 16; ++k) {  // k: the pair (2k, 2k+1) of this chunk's 32 inputs
+      __m512bh xv[mv];
+      for (int i = 0; i < mv; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * tstride + k * AT_M);
+      for (int r = 0; r < nr; ++r) {
+        const __m512bh wb = (__m512bh)_mm512_set1_epi32(int(w[r * AT_K / 2 + k]));
+        for (int i = 0; i < mv; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], xv[i], wb);
+      }
+    }
+  }
+  for (int r = 0; r < nr; ++r)
+    for (int i = 0; i < mv; ++i) _mm512_storeu_ps(c + (i * AT_N + r0 + r) * AT_M, acc[r][i]);
+}
+
+// All AT_N panel rows times mv activation tiles; pf (or null): pf_bytes to prefetch over the passes.
+template <int mv>
+inline void dp_panel(const uint16_t* a, int64_t Kt, const uint32_t* xm, int64_t tstride, float* c, const char* pf,
+                     int64_t pf_bytes) {
+  constexpr int nr = dp_rows(mv), passes = AT_N / nr;
+  const int lines = int((pf_bytes + passes * Kt * 64 - 1) / (passes * Kt * 64));
+  for (int r0 = 0, pass = 0; r0 < AT_N; r0 += nr, ++pass)
+    dp_tile<nr, mv>(a, Kt, r0, xm, tstride, c, pf ? pf + pass * Kt * lines * 64 : nullptr, lines);
+}
+
+// y [M, n] (bf16) = x W^T + b, one 16-row panel at a time split over the intra-op threads.
+template <typename Panel>
+at::Tensor dp_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, int64_t Kp, int64_t n,
+                     int64_t panel_bytes, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) <= Kp &&
+              x.size(1) > Kp - AT_K, "llmrt kernels: bf16 GEMM wants bfloat16 [rows, in_features <= ", Kp,
+              "] with unit column stride, got ", x.sizes());
+  TORCH_CHECK((n + NB - 1) / NB == blocks, "llmrt kernels: ", n, " rows do not match ", blocks, " packed blocks");
+  const int64_t M = x.size(0), Mt = (M + AT_M - 1) / AT_M, panels = (blocks + 3) / 4, Kt = Kp / AT_K;
+  at::Tensor y = at::empty({M, n}, x.options());
+  const Sink sink = sink_for(y, bias);
+  const std::vector<uint32_t> xb = vnni_activations(x.data_ptr<c10::BFloat16>(), x.stride(0), M, x.size(1), Kp);
+  const int64_t tstride = Kt * AT_M * 16;  // one activation tile row (16 rows x Kp) of xb
+  at::parallel_for(0, panels, block_grain(panel_bytes), [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<uint16_t> a;
+    a.resize(AT_N * Kp);
+    alignas(64) float c[DP_MV][AT_N][AT_M];
+    for (int64_t p = p0; p < p1; ++p) {
+      panel.fill(4 * p, blocks, a.data());
+      for (int64_t mt = 0; mt < Mt; mt += DP_MV) {
+        const int mv = int(std::min<int64_t>(DP_MV, Mt - mt));
+        const uint32_t* xm = xb.data() + mt * tstride;
+        // while the first activation tiles are multiplied, the next panel of this thread's range is fetched
+        const char* pf = mt == 0 && p + 1 < p1 ? panel.packed(4 * (p + 1)) : nullptr;
+        const int64_t pb = panel.packed_bytes();
+        if (mv == 4) dp_panel<4>(a.data(), Kt, xm, tstride, &c[0][0][0], pf, pb);
+        else if (mv == 3) dp_panel<3>(a.data(), Kt, xm, tstride, &c[0][0][0], pf, pb);
+        else if (mv == 2) dp_panel<2>(a.data(), Kt, xm, tstride, &c[0][0][0], pf, pb);
+        else dp_panel<1>(a.data(), Kt, xm, tstride, &c[0][0][0], pf, pb);
+        for (int i = 0; i < mv; ++i)
+          store_columns(&c[i][0][0], (mt + i) * AT_M, M, AT_N * p, n, panel.row_scale(), sink);
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor linear_int4_bf16gemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sz,
+                                int64_t group_size, int64_t n, const c10::optional<at::Tensor>& bias) {
+  const Int4 l = int4_layout(wp, sz, group_size);
+  return dp_linear(x, Int4Panel{l}, wp.size(0), l.Kp, n, AT_N * (l.Kp / 2 + l.Kp / group_size * 4), bias);
+}
+
+at::Tensor linear_int8_bf16gemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, int64_t n,
+                                const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(wp.scalar_type() == at::kChar && wp.dim() == 2 && wp.is_contiguous(),
+              "llmrt kernels: packed int8 weights must be a contiguous int8 matrix");
+  const int64_t Kp = wp.size(1) / NB;
+  TORCH_CHECK(Kp % AT_K == 0 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+              scale.numel() >= wp.size(0) * NB, "llmrt kernels: int8 bf16 GEMM: bad packed weights or scales");
+  return dp_linear(x, Int8Panel{wp.data_ptr<int8_t>(), scale.data_ptr<float>(), Kp}, wp.size(0), Kp, n,
+                   AT_N * (Kp + 4), bias);
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+#endif
