@@ -26,7 +26,7 @@ DENSE_COPY_SETTINGS = ("auto", "on", "off")
 DENSE_COPY_MAX_SHARE = 1 / 8
 KC = {torch.float32: 16, torch.bfloat16: 32, torch.int8: 32}
 # Rows of a bf16 step that int8/int4 layers run on AMX tiles (csrc/amx.h), where the CPU has them. Measured with
-# benchmarks/amx_rows.py (the 124.7M model's 48 decoder linears, 2 threads, Xeon with AMX; benchmarks/amx-rows.md,
+# benchmarks/batch_rows.py (the 124.7M model's 48 decoder linears, 2 threads, Xeon with AMX; benchmarks/amx-rows.md,
 # ms, tiles vs before, two runs at different minutes): from 8 rows the tiles are faster (int4 8 rows 8.0-10.9 vs
 # 14.0-25.6, 16 rows 7.8-10.4 vs 26-32, 64 rows 13.2-21.0 vs 23.8-41.0; int8 8 rows 9.1-11.4 vs 12.1-15.8, 64 rows
 # 14.3-23.5 vs 24.4-36.3), at 4 they tie with the vector kernels and below lose (1 row int4 7.4-12.3 vs 4.0-5.8: a
@@ -35,11 +35,11 @@ KC = {torch.float32: 16, torch.bfloat16: 32, torch.int8: 32}
 # rows, with no cache blocking).
 AMX_ROWS = (8, 128)
 # Rows of a bf16 step that int8/int4 layers run by vdpbf16ps from bf16 panels (csrc/bf16_gemm.h) on AVX512-BF16
-# CPUs without AMX. Measured with benchmarks/batch_rows.py (the 124.7M model's 48 decoder linears, 2 threads,
-# AMD EPYC with AVX512-BF16, 2026-12-06; benchmarks/batch-rows-bf16gemm.md): from 5 rows int8 is faster than its
-# vector kernel, from 9 int4 (at 8 they tie); up to 256 rows faster than dequantize + oneDNN's GEMM, at 512 slower
-# (the panel loop streams all activations per 16 weight rows, with no cache blocking).
-BF16_GEMM_ROWS = {"int8": (5, 256), "int4": (9, 256)}
+# CPUs without AMX. Measured with benchmarks/batch_rows.py (the 124.7M model's 48 decoder linears, 2 threads, AMD
+# EPYC with AVX512-BF16, 2026-12-06; benchmarks/batch-rows-bf16gemm.md): from 5 rows int8 is faster than its vector
+# kernel, from 9 int4 (at 8 they tie); up to 512 rows faster than dequantize + oneDNN's GEMM, at 1024 slower (oneDNN
+# reaches more of the vdpbf16ps peak on large steps than this kernel's 6 x 4 register tile).
+BF16_GEMM_ROWS = {"int8": (5, 512), "int4": (9, 512)}
 
 
 def _interleave(t: torch.Tensor, chunk: int) -> torch.Tensor:

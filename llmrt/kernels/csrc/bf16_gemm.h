@@ -25,10 +25,22 @@
 namespace {
 
 constexpr int DP_MV = 4;  // activation tiles of 16 rows per register tile, at most
+// Panels filled per pass, each multiplied in turn by the same activation tiles: large steps (prefill) read their
+// activations from L3 once per group of panels instead of once per panel. Above 128 rows as many as fit ~512 KB
+// of L2 (at most 16; 4 for K = 4096), then evened out so that every intra-op thread gets as many groups (768
+// outputs in 3 groups ran at 0.70 of the vdpbf16ps peak on 2 threads, in 4 at 0.9+); up to 128 rows, 4 (8 took
+// 1.04x the time of 4 at 4-64 rows, 1 or 2 the same).
+inline int dp_group(int64_t M, int64_t Kp, int64_t panels) {
+  if (M <= 128) return 4;
+  const int64_t fit = std::clamp<int64_t>((512 << 10) / (AT_N * Kp * 2), 1, 16), threads = at::get_num_threads();
+  const int64_t groups = (panels + fit - 1) / fit, even = (groups + threads - 1) / threads * threads;
+  return int(std::max<int64_t>(1, (panels + even - 1) / even));
+}
 
-// Weight rows per register tile for mv activation tiles: enough independent accumulators (nr * mv = 16, 24 for
-// mv = 3) to cover vdpbf16ps's latency at two issues a cycle, and AT_N a multiple of it.
-constexpr int dp_rows(int mv) { return mv == 1 ? 16 : mv == 4 ? 4 : 8; }
+// Weight rows per register tile for mv activation tiles: enough independent accumulators (nr * mv = 16 or 24)
+// to cover vdpbf16ps's latency at two issues a cycle (a panel's last pass takes the AT_N % nr rows left; 4 x 4,
+// 6 x 4 and 8 x 3 tiles all reach 8.2-8.6 G vdpbf16ps a second on one core, from L1/L2)
+constexpr int dp_rows(int mv) { return mv == 1 ? 16 : mv == 4 ? 6 : 8; }
 
 // c[i][r0 + r][m] = panel rows r0..r0+nr-1 times the mv activation tiles at xm (i-th at xm + i * tstride), over
 // all Kp inputs.
@@ -45,6 +57,8 @@ inline void dp_tile(const uint16_t* a, int64_t Kt, int r0, const uint32_t* xm, i
     const uint32_t* x = xm + kt * AT_M * 16;
     if (pf)
       for (int j = 0; j < pf_lines; ++j) _mm_prefetch(pf + (kt * pf_lines + j) * 64, _MM_HINT_T1);
+    for (int r = 0; r < nr; ++r)  // this tile's panel rows two chunks ahead (1 KB apart: a stride the L1 misses)
+      _mm_prefetch(reinterpret_cast<const char*>(a_row(a, kt + 2, r0 + r)), _MM_HINT_T0);
     for (int k = 0; k < 16; ++k) {  // k: the pair (2k, 2k+1) of this chunk's 32 inputs
       __m512bh xv[mv];
       for (int i = 0; i < mv; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * tstride + k * AT_M);
@@ -62,13 +76,16 @@ inline void dp_tile(const uint16_t* a, int64_t Kt, int r0, const uint32_t* xm, i
 template <int mv>
 inline void dp_panel(const uint16_t* a, int64_t Kt, const uint32_t* xm, int64_t tstride, float* c, const char* pf,
                      int64_t pf_bytes) {
-  constexpr int nr = dp_rows(mv), passes = AT_N / nr;
+  constexpr int nr = dp_rows(mv), full = AT_N / nr, rest = AT_N % nr, passes = full + (rest ? 1 : 0);
   const int lines = int((pf_bytes + passes * Kt * 64 - 1) / (passes * Kt * 64));
-  for (int r0 = 0, pass = 0; r0 < AT_N; r0 += nr, ++pass)
-    dp_tile<nr, mv>(a, Kt, r0, xm, tstride, c, pf ? pf + pass * Kt * lines * 64 : nullptr, lines);
+  int pass = 0;
+  for (; pass < full; ++pass)
+    dp_tile<nr, mv>(a, Kt, pass * nr, xm, tstride, c, pf ? pf + pass * Kt * lines * 64 : nullptr, lines);
+  if constexpr (rest > 0)
+    dp_tile<rest, mv>(a, Kt, full * nr, xm, tstride, c, pf ? pf + pass * Kt * lines * 64 : nullptr, lines);
 }
 
-// y [M, n] (bf16) = x W^T + b, one 16-row panel at a time split over the intra-op threads.
+// y [M, n] (bf16) = x W^T + b, G 16-row panels at a time (dp_group) split over the intra-op threads.
 template <typename Panel>
 at::Tensor dp_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, int64_t Kp, int64_t n,
                      int64_t panel_bytes, const c10::optional<at::Tensor>& bias) {
@@ -77,28 +94,54 @@ at::Tensor dp_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, in
               "] with unit column stride, got ", x.sizes());
   TORCH_CHECK((n + NB - 1) / NB == blocks, "llmrt kernels: ", n, " rows do not match ", blocks, " packed blocks");
   const int64_t M = x.size(0), Mt = (M + AT_M - 1) / AT_M, panels = (blocks + 3) / 4, Kt = Kp / AT_K;
+  const int G = dp_group(M, Kp, panels);
+  const int64_t groups = (panels + G - 1) / G, pb = panel.packed_bytes();
   at::Tensor y = at::empty({M, n}, x.options());
   const Sink sink = sink_for(y, bias);
-  const std::vector<uint32_t> xb = vnni_activations(x.data_ptr<c10::BFloat16>(), x.stride(0), M, x.size(1), Kp);
-  const int64_t tstride = Kt * AT_M * 16;  // one activation tile row (16 rows x Kp) of xb
-  at::parallel_for(0, panels, block_grain(panel_bytes), [&](int64_t p0, int64_t p1) {
-    thread_local std::vector<uint16_t> a;
-    a.resize(AT_N * Kp);
+  // one activation tile row (16 rows x Kp) of xb, plus a cache line: the DP_MV rows a register tile reads are
+  // then not a power of two apart (with K = 4096, 128 KB: all in the same L1 sets)
+  const int64_t tstride = Kt * AT_M * 16 + 16;
+  const std::vector<uint32_t> xb =
+      vnni_activations(x.data_ptr<c10::BFloat16>(), x.stride(0), M, x.size(1), Kp, tstride - Kt * AT_M * 16);
+  // register tiles' worth of activations (DP_MV tiles each) multiplied by one panel before the next: the panel
+  // stays in L1 and up to ~384 KB of activations in L2
+  const int64_t mblock = std::clamp<int64_t>((384 << 10) / (DP_MV * tstride * 4), 1, 8);
+  at::parallel_for(0, groups, block_grain(G * panel_bytes), [&](int64_t g0, int64_t g1) {
+    thread_local std::vector<uint16_t> a_buf;
+    a_buf.resize(G * AT_N * Kp);
+    uint16_t* a = a_buf.data();  // (thread_local access is a call in a shared library: once per task)
+    // a block's results, [rows][G * 16] (512 B a row at most), copied to y a row at a time: storing 16-output
+    // pieces straight into y's rows put them n apart, and with n a multiple of 2 KB all in a few L1 sets
+    // (a 4096-wide layer at 2048 rows took 1.2x the time of an 768-wide one per product)
+    thread_local std::vector<c10::BFloat16> ys_buf;
+    ys_buf.resize(DP_MV * mblock * AT_M * G * AT_N);
+    c10::BFloat16* ys = ys_buf.data();
+    const int64_t ldy = G * AT_N;
     alignas(64) float c[DP_MV][AT_N][AT_M];
-    for (int64_t p = p0; p < p1; ++p) {
-      panel.fill(4 * p, blocks, a.data());
-      for (int64_t mt = 0; mt < Mt; mt += DP_MV) {
-        const int mv = int(std::min<int64_t>(DP_MV, Mt - mt));
-        const uint32_t* xm = xb.data() + mt * tstride;
-        // while the first activation tiles are multiplied, the next panel of this thread's range is fetched
-        const char* pf = mt == 0 && p + 1 < p1 ? panel.packed(4 * (p + 1)) : nullptr;
-        const int64_t pb = panel.packed_bytes();
-        if (mv == 4) dp_panel<4>(a.data(), Kt, xm, tstride, &c[0][0][0], pf, pb);
-        else if (mv == 3) dp_panel<3>(a.data(), Kt, xm, tstride, &c[0][0][0], pf, pb);
-        else if (mv == 2) dp_panel<2>(a.data(), Kt, xm, tstride, &c[0][0][0], pf, pb);
-        else dp_panel<1>(a.data(), Kt, xm, tstride, &c[0][0][0], pf, pb);
-        for (int i = 0; i < mv; ++i)
-          store_columns(&c[i][0][0], (mt + i) * AT_M, M, AT_N * p, n, panel.row_scale(), sink);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int np = int(std::min<int64_t>(G, panels - g * G));
+      const int64_t n0 = g * G * AT_N, ncols = std::min<int64_t>(np * AT_N, n - n0);
+      for (int i = 0; i < np; ++i) panel.fill(4 * (g * G + i), blocks, a + i * AT_N * Kp);
+      for (int64_t mb = 0; mb < Mt; mb += DP_MV * mblock) {  // activation rows that stay in L2 across panels
+        for (int i = 0; i < np; ++i) {
+          const uint16_t* ai = a + i * AT_N * Kp;
+          for (int64_t mt = mb; mt < std::min<int64_t>(Mt, mb + DP_MV * mblock); mt += DP_MV) {
+            const int mv = int(std::min<int64_t>(DP_MV, Mt - mt));
+            const uint32_t* xm = xb.data() + mt * tstride;
+            // while the first activation tiles are multiplied, the next group of this thread's range is fetched
+            const int64_t next = (g + 1) * G + i;
+            const char* pf = mt == 0 && g + 1 < g1 && next < panels ? panel.packed(4 * next) : nullptr;
+            if (mv == 4) dp_panel<4>(ai, Kt, xm, tstride, &c[0][0][0], pf, pb);
+            else if (mv == 3) dp_panel<3>(ai, Kt, xm, tstride, &c[0][0][0], pf, pb);
+            else if (mv == 2) dp_panel<2>(ai, Kt, xm, tstride, &c[0][0][0], pf, pb);
+            else dp_panel<1>(ai, Kt, xm, tstride, &c[0][0][0], pf, pb);
+            for (int t = 0; t < mv; ++t)
+              store_tile(&c[t][0][0], M - (mt + t) * AT_M, n0 + i * AT_N, n, panel.row_scale(), sink.bias,
+                         ys + (mt - mb + t) * AT_M * ldy + i * AT_N, ldy);
+          }
+        }
+        for (int64_t m = mb * AT_M; m < std::min<int64_t>(M, (mb + DP_MV * mblock) * AT_M); ++m)
+          std::memcpy(sink.bf16 + m * n + n0, ys + (m - mb * AT_M) * ldy, ncols * sizeof(c10::BFloat16));
       }
     }
   });

@@ -21,27 +21,48 @@ constexpr int AT_N = 16;  // weight rows per A tile (4 packed blocks)
 constexpr int AT_K = 32;  // inputs per tile product (64 bytes of bf16 a row)
 constexpr int AT_M = 16;  // activation rows per B / C tile
 
-// x [M, K] bf16 as B tiles: [Mt][Kt][16 k'][16 m] pairs (uint32), rows past M and inputs past K zero.
-std::vector<uint32_t> vnni_activations(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp) {
-  const int64_t Mt = (M + AT_M - 1) / AT_M, Kt = Kp / AT_K;
-  std::vector<uint32_t> xb(Mt * Kt * AT_M * 16, 0u);
+// r[0..15] as the rows of a 16 x 16 matrix of 32-bit elements -> r[j] = its column j (four shuffle stages).
+inline void transpose16(__m512i r[16]) {
+  __m512i a[16], b[16], c[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 4; ++j) {
+      c[8 * h + j] = _mm512_shuffle_i32x4(b[8 * h + j], b[8 * h + j + 4], 0x88);
+      c[8 * h + j + 4] = _mm512_shuffle_i32x4(b[8 * h + j], b[8 * h + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(c[j], c[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(c[j], c[j + 8], 0xdd);
+  }
+}
+
+// x [M, K] bf16 as B tiles: [Mt][Kt][16 k'][16 m] pairs (uint32), rows past M and inputs past K zero, each tile
+// row (16 rows x Kp) followed by pad uint32s. Each tile is 16 rows' 64-byte chunks (masked loads past K)
+// transposed as 32-bit pairs.
+std::vector<uint32_t> vnni_activations(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp,
+                                       int64_t pad = 0) {
+  const int64_t Mt = (M + AT_M - 1) / AT_M, Kt = Kp / AT_K, tstride = Kt * AT_M * 16 + pad;
+  std::vector<uint32_t> xb(Mt * tstride);
   at::parallel_for(0, Mt * Kt, 16, [&](int64_t t0, int64_t t1) {
-    uint16_t tail[AT_K];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t mt = t / Kt, kt = t % Kt;
-      uint32_t* dst = xb.data() + t * AT_M * 16;
-      for (int64_t m = 0; m < AT_M && mt * AT_M + m < M; ++m) {
-        const uint16_t* row = reinterpret_cast<const uint16_t*>(x + (mt * AT_M + m) * ldx) + kt * AT_K;
-        if ((kt + 1) * AT_K > K) {  // the last, partial chunk: zero past K
-          const int64_t have = std::max<int64_t>(0, K - kt * AT_K);
-          std::memset(tail, 0, sizeof tail);
-          std::memcpy(tail, row, have * sizeof(uint16_t));
-          row = tail;
-        }
-        uint32_t pairs[16];
-        std::memcpy(pairs, row, sizeof pairs);
-        for (int k = 0; k < 16; ++k) dst[k * AT_M + m] = pairs[k];
-      }
+      const int64_t mt = t / Kt, kt = t % Kt, have = std::min<int64_t>(AT_K, std::max<int64_t>(0, K - kt * AT_K));
+      const __mmask32 cols = have == AT_K ? ~__mmask32(0) : __mmask32((1ull << have) - 1);
+      __m512i r[16];
+      for (int m = 0; m < AT_M; ++m)
+        r[m] = mt * AT_M + m < M ? _mm512_maskz_loadu_epi16(cols, x + (mt * AT_M + m) * ldx + kt * AT_K)
+                                 : _mm512_setzero_si512();
+      transpose16(r);
+      uint32_t* dst = xb.data() + mt * tstride + kt * AT_M * 16;
+      for (int k = 0; k < 16; ++k) _mm512_storeu_si512(dst + k * AT_M, r[k]);
     }
   });
   return xb;
@@ -117,19 +138,26 @@ struct Int8Panel {
   }
 };
 
-// Rows m0.. of y (bf16, [M, n]) from a C tile [16 n][16 m]: each row is a column of the tile, gathered (stride 16
-// floats), times the row scales (int8) plus the bias, rounded to bf16 and stored with a mask past n.
+// rows rows of out (bf16, row stride ld) from a C tile [16 n][16 m] of outputs n0..n0+15: the tile transposed,
+// each row times the row scales (int8) plus the bias, rounded to bf16 and stored with a mask past n.
+inline void store_tile(const float* c, int64_t rows, int64_t n0, int64_t n, const float* scale, const float* bias,
+                       c10::BFloat16* out, int64_t ld) {
+  const __mmask16 valid = __mmask16((1u << std::min<int64_t>(AT_N, n - n0)) - 1u);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(valid, bias + n0) : _mm512_setzero_ps();
+  const __m512 s = scale ? _mm512_maskz_loadu_ps(valid, scale + n0) : _mm512_set1_ps(1.0f);
+  __m512i r[16];
+  for (int j = 0; j < AT_N; ++j) r[j] = _mm512_loadu_si512(c + j * AT_M);
+  transpose16(r);
+  for (int64_t m = 0; m < std::min<int64_t>(rows, AT_M); ++m) {
+    const __m512 v = _mm512_fmadd_ps(_mm512_castsi512_ps(r[m]), s, b);
+    _mm256_mask_storeu_epi16(out + m * ld, valid, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// Rows m0.. of y (bf16, [M, n]) from a C tile [16 n][16 m], as store_tile.
 inline void store_columns(const float* c, int64_t m0, int64_t M, int64_t n0, int64_t n, const float* scale,
                           const Sink& sink) {
-  const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(AT_M));
-  const __mmask16 valid = __mmask16((1u << std::min<int64_t>(AT_N, n - n0)) - 1u);
-  const __m512 b = sink.bias ? _mm512_maskz_loadu_ps(valid, sink.bias + n0) : _mm512_setzero_ps();
-  const __m512 s = scale ? _mm512_maskz_loadu_ps(valid, scale + n0) : _mm512_set1_ps(1.0f);
-  for (int64_t m = m0; m < std::min<int64_t>(M, m0 + AT_M); ++m) {
-    const __m512 v = _mm512_fmadd_ps(_mm512_i32gather_ps(stride, c + (m - m0), 4), s, b);
-    _mm256_mask_storeu_epi16(sink.bf16 + m * n + n0, valid, (__m256i)_mm512_cvtneps_pbh(v));
-  }
+  store_tile(c, M - m0, n0, n, scale, sink.bias, sink.bf16 + m0 * n + n0, n);
 }
 
 }  // namespace
