@@ -6,7 +6,7 @@ with bf16 activations: bf16 weights in oneDNN's prepacked layout (what a bf16 mo
 int4 g32 as they run without a batched kernel (llmrt's vector kernel up to its row limit, above it dequantize into
 one reused bf16 buffer + torch's GEMM); and the batched kernel this CPU has on the same packed weights: AMX tiles
 (csrc/amx.h) or, on AVX512-BF16 CPUs without AMX, vdpbf16ps from bf16 panels (csrc/bf16_gemm.h), at every row
-count (whatever AMX_ROWS / BF16_GEMM_ROWS say, which these figures choose).
+count (whatever AMX_ROWS / BF16_GEMM_MIN_ROWS say, which these figures choose).
 
 Run: PYTHONPATH=. python benchmarks/batch_rows.py [--rounds 5] -> benchmarks/batch-rows-{amx,bf16gemm}.{json,md}
 (earlier AMX runs: benchmarks/amx-rows.{json,md})

@@ -258,16 +258,15 @@ def _cpu_support(fmt: str, flags: frozenset[str]) -> tuple[str, str]:
                           "rows run in float32 (emulated half matmuls are 3-5x slower than float32)")
     if fmt in ("int8", "int4"):
         from llmrt.kernels import has_amx, has_bf16_dot, max_rows
-        from llmrt.kernels.packed import AMX_ROWS, BF16_GEMM_ROWS
+        from llmrt.kernels.packed import AMX_ROWS, BF16_GEMM_MIN_ROWS
 
         ours = kernel_isa(flags)
         if ours:
             bf16dot = " (int4 with bf16 activations: vdpbf16ps)" if fmt == "int4" and has_bf16_dot(ours, flags) \
                 else ""
-            lo, hi = BF16_GEMM_ROWS[fmt]
             amx = (f"; bf16 steps of {AMX_ROWS[0]}-{AMX_ROWS[1]} rows on AMX tiles" if has_amx(ours, flags) else
-                   f"; bf16 steps of {lo}-{hi} rows by vdpbf16ps from bf16 panels" if has_bf16_dot(ours, flags)
-                   else "")
+                   f"; bf16 steps of {BF16_GEMM_MIN_ROWS[fmt]}+ rows by vdpbf16ps from bf16 panels"
+                   if has_bf16_dot(ours, flags) else "")
             return NATIVE, (f"weight-only {fmt}: llmrt's {ours} kernel{bf16dot} (weights packed at load) for steps of "
                             f"up to {max_rows(ours, fmt)} rows{amx}, dequantized to the compute dtype above (torch's "
                             "packed kernels where ours cannot be built); the LM head int8 unless "

@@ -198,8 +198,9 @@ def amx_enabled() -> bool:
 
 
 def bf16_gemm_enabled() -> bool:
-    """Whether int8/int4 layers run steps of BF16_GEMM_ROWS rows with bf16 activations by vdpbf16ps from a bf16
-    panel where the CPU has AVX512-BF16 and no AMX: LLMRT_BF16_GEMM=1 (the default) or 0 (as LLMRT_AMX=0)."""
+    """Whether int8/int4 layers run steps of BF16_GEMM_MIN_ROWS rows or more with bf16 activations by vdpbf16ps
+    from bf16 panels where the CPU has AVX512-BF16 and no AMX: LLMRT_BF16_GEMM=1 (the default) or 0 (as
+    LLMRT_AMX=0)."""
     return _switch("LLMRT_BF16_GEMM", "1")
 
 

@@ -34,12 +34,13 @@ KC = {torch.float32: 16, torch.bfloat16: 32, torch.int8: 32}
 # 512 lose to dequantize + oneDNN's GEMM (75-111 vs 53-54: the panel loop streams all activations per 64 weight
 # rows, with no cache blocking).
 AMX_ROWS = (8, 128)
-# Rows of a bf16 step that int8/int4 layers run by vdpbf16ps from bf16 panels (csrc/bf16_gemm.h) on AVX512-BF16
-# CPUs without AMX. Measured with benchmarks/batch_rows.py (the 124.7M model's 48 decoder linears, 2 threads, AMD
-# EPYC with AVX512-BF16, 2026-12-06; benchmarks/batch-rows-bf16gemm.md): from 5 rows int8 is faster than its vector
-# kernel, from 9 int4 (at 8 they tie); up to 512 rows faster than dequantize + oneDNN's GEMM, at 1024 slower (oneDNN
-# reaches more of the vdpbf16ps peak on large steps than this kernel's 6 x 4 register tile).
-BF16_GEMM_ROWS = {"int8": (5, 512), "int4": (9, 512)}
+# Rows from which a bf16 step of an int8/int4 layer runs by vdpbf16ps from bf16 panels (csrc/bf16_gemm.h) on
+# AVX512-BF16 CPUs without AMX. Measured with benchmarks/batch_rows.py (the 124.7M model's 48 decoder linears, 2
+# threads, AMD EPYC with AVX512-BF16, 2026-12-06; benchmarks/batch-rows-bf16gemm.md): from 5 rows int8 is faster
+# than its vector kernel, from 9 int4 (at 8 they tie). There is no upper limit: against dequantize + oneDNN's GEMM
+# it is faster up to 512 rows and level at 1024-2048 (within 0.6%) where that path runs at its best, and
+# 1.1-1.2x faster where it does not (it is bimodal per process on this host).
+BF16_GEMM_MIN_ROWS = {"int8": 5, "int4": 9}
 
 
 def _interleave(t: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -158,12 +159,9 @@ class PackedLinear:
         return self.amx and AMX_ROWS[0] <= x.shape[0] <= AMX_ROWS[1] and self._bf16_batch(x)
 
     def on_bf16gemm(self, x: torch.Tensor) -> bool:
-        """Whether this call runs the vdpbf16ps panel kernel: a bf16 step of BF16_GEMM_ROWS[fmt] rows on a layer
-        that has it, unless its activations are quantized to int8."""
-        if not self.bf16gemm:
-            return False
-        lo, hi = BF16_GEMM_ROWS[self.fmt]
-        return lo <= x.shape[0] <= hi and self._bf16_batch(x)
+        """Whether this call runs the vdpbf16ps panel kernel: a bf16 step of BF16_GEMM_MIN_ROWS[fmt] rows or more
+        on a layer that has it, unless its activations are quantized to int8."""
+        return self.bf16gemm and x.shape[0] >= BF16_GEMM_MIN_ROWS[self.fmt] and self._bf16_batch(x)
 
     def on_batch_kernel(self, x: torch.Tensor) -> bool:
         """Whether this call runs one of the batched int8/int4 x bf16 kernels (AMX tiles or vdpbf16ps panels)."""
