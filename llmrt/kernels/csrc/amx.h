@@ -128,18 +128,14 @@ at::Tensor amx_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, i
 at::Tensor linear_int4_amx(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sz, int64_t group_size,
                            int64_t n, const c10::optional<at::Tensor>& bias) {
   const Int4 l = int4_layout(wp, sz, group_size);
-  return amx_linear(x, Int4Panel{l}, wp.size(0), l.Kp, n, AT_N * (l.Kp / 2 + l.Kp / group_size * 4), bias);
+  const Int4Panel p{l};
+  return amx_linear(x, p, wp.size(0), l.Kp, n, p.bytes(), bias);
 }
 
 at::Tensor linear_int8_amx(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, int64_t n,
                            const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(wp.scalar_type() == at::kChar && wp.dim() == 2 && wp.is_contiguous(),
-              "llmrt kernels: packed int8 weights must be a contiguous int8 matrix");
-  const int64_t Kp = wp.size(1) / NB;
-  TORCH_CHECK(Kp % AT_K == 0 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
-              scale.numel() >= wp.size(0) * NB, "llmrt kernels: int8 AMX linear: bad packed weights or scales");
-  return amx_linear(x, Int8Panel{wp.data_ptr<int8_t>(), scale.data_ptr<float>(), Kp}, wp.size(0), Kp, n,
-                    AT_N * (Kp + 4), bias);
+  const Int8Panel p = int8_panel(wp, scale, "AMX linear");
+  return amx_linear(x, p, wp.size(0), p.Kp, n, p.bytes(), bias);
 }
 
 }  // namespace

@@ -88,7 +88,7 @@ inline void dp_panel(const uint16_t* a, int64_t Kt, const uint32_t* xm, int64_t 
 // y [M, n] (bf16) = x W^T + b, G 16-row panels at a time (dp_group) split over the intra-op threads.
 template <typename Panel>
 at::Tensor dp_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, int64_t Kp, int64_t n,
-                     int64_t panel_bytes, const c10::optional<at::Tensor>& bias) {
+                     const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) <= Kp &&
               x.size(1) > Kp - AT_K, "llmrt kernels: bf16 GEMM wants bfloat16 [rows, in_features <= ", Kp,
               "] with unit column stride, got ", x.sizes());
@@ -106,7 +106,7 @@ at::Tensor dp_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, in
   // register tiles' worth of activations (DP_MV tiles each) multiplied by one panel before the next: the panel
   // stays in L1/L2 and up to ~384 KB of activations in L2
   const int64_t mblock = std::clamp<int64_t>((384 << 10) / (DP_MV * tstride * 4), 1, 8);
-  at::parallel_for(0, groups, block_grain(G * panel_bytes), [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, groups, block_grain(G * panel.bytes()), [&](int64_t g0, int64_t g1) {
     thread_local std::vector<uint16_t> a_buf;
     a_buf.resize(G * AT_N * Kp);
     uint16_t* a = a_buf.data();  // (thread_local access is a call in a shared library: once per task)
@@ -151,18 +151,14 @@ at::Tensor dp_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, in
 at::Tensor linear_int4_bf16gemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sz,
                                 int64_t group_size, int64_t n, const c10::optional<at::Tensor>& bias) {
   const Int4 l = int4_layout(wp, sz, group_size);
-  return dp_linear(x, Int4Panel{l}, wp.size(0), l.Kp, n, AT_N * (l.Kp / 2 + l.Kp / group_size * 4), bias);
+  const Int4Panel p{l};
+  return dp_linear(x, p, wp.size(0), l.Kp, n, bias);
 }
 
 at::Tensor linear_int8_bf16gemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, int64_t n,
                                 const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(wp.scalar_type() == at::kChar && wp.dim() == 2 && wp.is_contiguous(),
-              "llmrt kernels: packed int8 weights must be a contiguous int8 matrix");
-  const int64_t Kp = wp.size(1) / NB;
-  TORCH_CHECK(Kp % AT_K == 0 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
-              scale.numel() >= wp.size(0) * NB, "llmrt kernels: int8 bf16 GEMM: bad packed weights or scales");
-  return dp_linear(x, Int8Panel{wp.data_ptr<int8_t>(), scale.data_ptr<float>(), Kp}, wp.size(0), Kp, n,
-                   AT_N * (Kp + 4), bias);
+  const Int8Panel p = int8_panel(wp, scale, "bf16 GEMM");
+  return dp_linear(x, p, wp.size(0), p.Kp, n, bias);
 }
 
 }  // namespace

@@ -79,6 +79,7 @@ struct Int4Panel {
   // the packed bytes of the panel at block b0 (its weights are contiguous; the scales are ~1/16 of them)
   const char* packed(int64_t b0) const { return reinterpret_cast<const char*>(l.w + b0 * l.Kp * NB / 2); }
   int64_t packed_bytes() const { return AT_N * l.Kp / 2; }
+  int64_t bytes() const { return AT_N * (l.Kp / 2 + l.Kp / l.gs * 4); }  // with the scales and zeros
   void fill(int64_t b0, int64_t blocks, uint16_t* a) const {
     const __m512i low = _mm512_set1_epi32(0xF);
     const int64_t groups = l.Kp / l.gs, per_group = l.gs / AT_K;
@@ -120,6 +121,7 @@ struct Int8Panel {
   const float* row_scale() const { return scale; }
   const char* packed(int64_t b0) const { return reinterpret_cast<const char*>(w + b0 * Kp * NB); }
   int64_t packed_bytes() const { return AT_N * Kp; }
+  int64_t bytes() const { return AT_N * (Kp + 4); }  // with the row scales
   void fill(int64_t b0, int64_t blocks, uint16_t* a) const {
     for (int bi = 0; bi < 4; ++bi) {
       if (b0 + bi >= blocks) {
@@ -137,6 +139,16 @@ struct Int8Panel {
     }
   }
 };
+
+// Dense<int8_t>'s packed weights and float32 row scales as a panel source, checked (`what` names the caller).
+inline Int8Panel int8_panel(const at::Tensor& wp, const at::Tensor& scale, const char* what) {
+  TORCH_CHECK(wp.scalar_type() == at::kChar && wp.dim() == 2 && wp.is_contiguous(),
+              "llmrt kernels: packed int8 weights must be a contiguous int8 matrix");
+  const int64_t Kp = wp.size(1) / NB;
+  TORCH_CHECK(Kp % AT_K == 0 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+              scale.numel() >= wp.size(0) * NB, "llmrt kernels: int8 ", what, ": bad packed weights or scales");
+  return {wp.data_ptr<int8_t>(), scale.data_ptr<float>(), Kp};
+}
 
 // rows rows of out (bf16, row stride ld) from a C tile [16 n][16 m] of outputs n0..n0+15: the tile transposed,
 // each row times the row scales (int8) plus the bias, rounded to bf16 and stored with a mask past n.
