@@ -264,13 +264,13 @@ def _cpu_support(fmt: str, flags: frozenset[str]) -> tuple[str, str]:
         if ours:
             bf16dot = " (int4 with bf16 activations: vdpbf16ps)" if fmt == "int4" and has_bf16_dot(ours, flags) \
                 else ""
-            amx = (f"; bf16 steps of {AMX_ROWS[0]}-{AMX_ROWS[1]} rows on AMX tiles" if has_amx(ours, flags) else
-                   f"; bf16 steps of {BF16_GEMM_MIN_ROWS[fmt]}+ rows by vdpbf16ps from bf16 panels"
-                   if has_bf16_dot(ours, flags) else "")
+            batched = (f"; bf16 steps of {AMX_ROWS[0]}-{AMX_ROWS[1]} rows on AMX tiles" if has_amx(ours, flags) else
+                       f"; bf16 steps of {BF16_GEMM_MIN_ROWS[fmt]} rows or more by vdpbf16ps from bf16 panels"
+                       if has_bf16_dot(ours, flags) else "")
             return NATIVE, (f"weight-only {fmt}: llmrt's {ours} kernel{bf16dot} (weights packed at load) for steps of "
-                            f"up to {max_rows(ours, fmt)} rows{amx}, dequantized to the compute dtype above (torch's "
-                            "packed kernels where ours cannot be built); the LM head int8 unless "
-                            "--lm-head-quantization none (docs/quantization.md)")
+                            f"up to {max_rows(ours, fmt)} rows{batched}; {'other ' if batched else ''}larger steps "
+                            "dequantized to the compute dtype (torch's packed kernels where ours cannot be built); the "
+                            "LM head int8 unless --lm-head-quantization none (docs/quantization.md)")
         if avx2 and fmt == "int8":
             return NATIVE, ("weight-only int8: torch's packed kernel (bf16 activations) for steps of up to 8 rows, "
                             "dequantized to the compute dtype above (docs/quantization.md)")

@@ -40,6 +40,10 @@ def test_capability_table_by_isa_and_compute_capability():
     assert format_support(CPU, "fp8", SAPPHIRE).status == UNSUPPORTED
     assert "AMX tiles" in format_support(CPU, "int4", SAPPHIRE | {"avx512bw", "avx512dq", "avx512vl", "amx_tile"}).detail
     assert "AMX tiles" not in format_support(CPU, "int8", AVX2_ONLY).detail
+    zen4 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"})
+    assert "vdpbf16ps from bf16 panels" in format_support(CPU, "int8", zen4).detail  # AVX512-BF16 without AMX
+    for flags in (AVX2_ONLY, SAPPHIRE | {"avx512bw", "avx512dq", "avx512vl", "amx_tile"}):
+        assert "panels" not in format_support(CPU, "int4", flags).detail
     cuda = torch.device("cuda")
     assert format_support(cuda, "fp8", capability=(9, 0)).status == NATIVE
     assert format_support(cuda, "fp8", capability=(8, 0)).status == UNSUPPORTED
