@@ -52,7 +52,7 @@ def main() -> None:
     int8 = [PackedLinear.dense(lib, q, None, s) for q, s in map(quantize_int8, dense)]
     int4 = [PackedLinear.int4(lib, *quantize_int4(w, 32), 32, w.shape[1]) for w in dense]
     for p in int8 + int4:
-        p.amx = p.bf16gemm = False  # "before": the vector kernel or dequantize + GEMM, never a batched kernel
+        p.batch = ""  # "before": the vector kernel or dequantize + GEMM, never a batched kernel
     buf = torch.empty(max(n * k for n, k in SHAPES), dtype=torch.bfloat16)
     limits = {"int8": max_rows(lib.isa, "int8"), "int4": max_rows(lib.isa, "int4")}
 

@@ -27,12 +27,12 @@ ROWS = [1, 2, 3, 5, 8, 17, 64]
 
 
 def _weights(lib: K.KernelLib, n: int, k: int, fmt: str, bias=None, int8_act: bool = False,
-             amx: bool = False) -> tuple[PackedLinear, torch.Tensor]:
+             batched: bool = False) -> tuple[PackedLinear, torch.Tensor]:
     """(the packed layer, the dense fp64 weights it stands for); int8/int4 with fp32 or int8 activations. The
-    vector kernels unless `amx` (then int8/int4 bf16 steps run the batched kernels where there are: AMX tiles,
-    or vdpbf16ps panels)."""
+    vector kernels unless `batched` (then int8/int4 bf16 steps run the batched kernel the CPU has: AMX tiles, or
+    vdpbf16ps panels)."""
     p, dense = _packed(lib, n, k, fmt, bias, int8_act)
-    return dataclasses.replace(p, amx=p.amx and amx, bf16gemm=p.bf16gemm and amx), dense
+    return dataclasses.replace(p, batch=p.batch if batched else ""), dense
 
 
 def _packed(lib: K.KernelLib, n: int, k: int, fmt: str, bias, int8_act: bool) -> tuple[PackedLinear, torch.Tensor]:
@@ -166,7 +166,7 @@ def test_int4_times_bf16_by_vdpbf16ps(isa, gs, monkeypatch):
         sz = torch.stack([sc, z], -1).bfloat16().double()
         dense = ((q.double().view(n, -1, gs) - 8) * sz[..., 0][..., None] + sz[..., 1][..., None]).view(n, kp)[:, :k]
         bias = torch.randn(n)
-        p = dataclasses.replace(PackedLinear.int4(lib, q, sc, z, gs, k, bias), amx=False, bf16gemm=False)
+        p = dataclasses.replace(PackedLinear.int4(lib, q, sc, z, gs, k, bias), batch="")
         assert p.bf16dot
         for rows in (1, 3, 4, 9):
             x = torch.randn(rows, k).bfloat16()
@@ -183,32 +183,35 @@ def test_int4_times_bf16_by_vdpbf16ps(isa, gs, monkeypatch):
 
 
 HAS_AMX = K.has_amx("avx512", cpu_flags())
-HAS_BF16_GEMM = K.has_bf16_dot("avx512", cpu_flags()) and not HAS_AMX
+HAS_BF16_DOT = K.has_bf16_dot("avx512", cpu_flags())
+# Each batched kernel needs its CPU feature; on AMX CPUs the vdpbf16ps panels are tested with LLMRT_AMX=0.
+BATCH_ROUTES = [
+    pytest.param("amx", marks=pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16 tiles")),
+    pytest.param("bf16gemm", marks=pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU has no AVX512-BF16"))]
 
 
-@pytest.mark.parametrize("route", ["amx", "bf16gemm"])
+@pytest.mark.parametrize("route", BATCH_ROUTES)
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_int8_int4_batch_kernels(route, fmt, monkeypatch):
-    """csrc/amx.h (AMX tiles) and csrc/bf16_gemm.h (vdpbf16ps panels, CPUs without AMX): bf16 steps of their rows
-    against the float64 product (the weights rounded to bf16 once, as the dequantize + GEMM path rounded them:
-    2^-8 of sum|x||w|, plus the output's bf16 rounding), a row's result the same within any batch it runs in, only
-    bf16 steps of their rows taken, and off with their switch (LLMRT_AMX=0, LLMRT_BF16_GEMM=0)."""
-    from llmrt.kernels.packed import AMX_ROWS, BF16_GEMM_MIN_ROWS
+    """csrc/amx.h (AMX tiles) and csrc/bf16_gemm.h (vdpbf16ps panels, the choice where AMX is missing or off): bf16
+    steps of their rows against the float64 product (the weights rounded to bf16 once, as the dequantize + GEMM
+    path rounded them: 2^-8 of sum|x||w|, plus the output's bf16 rounding), a row's result the same within any
+    batch it runs in, only bf16 steps of their rows taken, and off with their switch (LLMRT_AMX, LLMRT_BF16_GEMM)."""
+    from llmrt.kernels.packed import batch_rows
 
-    if not (HAS_AMX if route == "amx" else HAS_BF16_GEMM):
-        pytest.skip(f"this CPU does not run the {route} kernels")
+    if route == "bf16gemm":
+        monkeypatch.setenv("LLMRT_AMX", "0")
     torch.manual_seed(6)
     lib = K.load("avx512vnni" if "avx512vnni" in ISAS else "avx512")
-    # bf16gemm has no upper limit: 600 rows take more than one group of activation tiles and panels per thread
-    lo, hi = AMX_ROWS if route == "amx" else (BF16_GEMM_MIN_ROWS[fmt], 600)
+    lo, hi = batch_rows(route, fmt)
+    hi = int(min(hi, 600))  # bf16gemm has no upper limit: 600 rows take several activation blocks per thread
     for n, k in SHAPES + [(4096, 768), (70, 2048)]:
         bias = torch.randn(n).bfloat16()
-        p, dense = _weights(lib, n, k, fmt, bias, amx=True)
-        takes = p.on_amx if route == "amx" else p.on_bf16gemm
-        assert getattr(p, route) and not getattr(p, "bf16gemm" if route == "amx" else "amx")
+        p, dense = _weights(lib, n, k, fmt, bias, batched=True)
+        assert p.batch == route
         x = torch.randn(hi, k).bfloat16()
         for rows in (lo, lo + 1, 17, 33, hi):
-            assert takes(x[:rows]) and p.on_batch_kernel(x[:rows]) and not takes(x[:rows].float())
+            assert p.on_batch_kernel(x[:rows]) and not p.on_batch_kernel(x[:rows].float())
             ref = x[:rows].double() @ dense.T + bias.double()
             y = p(x[:rows])
             assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
@@ -218,19 +221,26 @@ def test_int8_int4_batch_kernels(route, fmt, monkeypatch):
         full = p(x)
         parts = [p(x[i:i + lo]) for i in range(0, hi - hi % lo, lo)]
         assert torch.equal(full[:hi - hi % lo], torch.cat(parts)), (fmt, n, k)
-        assert not takes(x[:lo - 1]) and takes(torch.cat([x, x])) == (route == "bf16gemm")
+        assert not p.on_batch_kernel(x[:lo - 1])
+        assert p.on_batch_kernel(torch.cat([x, x])) == (route == "bf16gemm")  # AMX stops at AMX_ROWS[1]
         assert not dataclasses.replace(p, int8_act=True).on_batch_kernel(x[:lo])  # int8 activations keep theirs
     monkeypatch.setenv("LLMRT_AMX" if route == "amx" else "LLMRT_BF16_GEMM", "0")
-    assert not getattr(_packed(lib, 37, 100, fmt, None, False)[0], route)
+    assert _packed(lib, 37, 100, fmt, None, False)[0].batch != route
 
 
-@pytest.mark.skipif(HAS_AMX, reason="this CPU has AMX tiles")
 @pytest.mark.parametrize("isa", ISAS)
-def test_no_amx_without_the_tiles(isa):
-    """Without AMX-BF16 the builds offer no tile kernels and int8/int4 layers never take them."""
+def test_batch_kernels_follow_the_cpu(isa):
+    """The builds offer the tile kernels only on AMX-BF16 CPUs and the panels only with AVX512-BF16; fp32/bf16
+    layers never take either."""
     lib = K.load(isa)
-    assert lib.linear_int8_amx is None and lib.linear_int4_amx is None
-    assert not _packed(lib, 37, 100, "int4", None, False)[0].amx
+    assert (lib.linear_int8_amx is not None) == (lib.linear_int4_amx is not None) == K.has_amx(isa, cpu_flags())
+    assert (lib.linear_int8_bf16gemm is not None) == K.has_bf16_dot(isa, cpu_flags())
+    no_amx = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"})
+    assert not K.has_amx("avx512", no_amx) and K.has_amx("avx512", no_amx | {"amx_bf16", "amx_tile"})
+    assert not K.has_bf16_dot("avx2", no_amx) and not K.has_bf16_dot("avx512", no_amx - {"avx512_bf16"})
+    want = "amx" if lib.linear_int4_amx is not None else "bf16gemm" if lib.linear_int4_bf16gemm is not None else ""
+    assert _packed(lib, 37, 100, "int4", None, False)[0].batch == want
+    assert PackedLinear.dense(lib, torch.randn(8, 64)).batch == ""
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -41,6 +41,22 @@ AMX_ROWS = (8, 128)
 # it is faster up to 512 rows and level at 1024-2048 (within 0.6%) where that path runs at its best, and
 # 1.1-1.2x faster where it does not (it is bimodal per process on this host).
 BF16_GEMM_MIN_ROWS = {"int8": 5, "int4": 9}
+BATCH_KERNELS = ("amx", "bf16gemm")  # in order of preference; csrc/amx.h, csrc/bf16_gemm.h
+
+
+def batch_kernel(lib: "KernelLib", fmt: str) -> str:
+    """The batched int8/int4 x bf16 kernel layers of `fmt` run ("amx" or "bf16gemm"), "" for none: the first that
+    this CPU's build has and its switch allows (LLMRT_AMX, LLMRT_BF16_GEMM)."""
+    enabled = {"amx": amx_enabled, "bf16gemm": bf16_gemm_enabled}
+    for name in BATCH_KERNELS:
+        if fmt in ("int8", "int4") and getattr(lib, f"linear_{fmt}_{name}") is not None and enabled[name]():
+            return name
+    return ""
+
+
+def batch_rows(kernel: str, fmt: str) -> tuple[int, float]:
+    """The bf16 step rows (lowest, highest) that `kernel` takes for layers of `fmt`."""
+    return AMX_ROWS if kernel == "amx" else (BF16_GEMM_MIN_ROWS[fmt], float("inf"))
 
 
 def _interleave(t: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -115,10 +131,9 @@ class PackedLinear:
     int8_act: bool = False
     # int4 with bf16 activations: the vdpbf16ps kernel (AVX512-BF16 CPUs; LLMRT_INT4_BF16DOT), unless int8_act
     bf16dot: bool = False
-    # int8/int4: the AMX tile kernel is there (AMX-BF16 CPUs; LLMRT_AMX); on_amx says which calls take it
-    amx: bool = False
-    # int8/int4: the vdpbf16ps panel kernel, where there is no AMX (AVX512-BF16 CPUs; LLMRT_BF16_GEMM)
-    bf16gemm: bool = False
+    # int8/int4: the batched kernel for bf16 steps of several rows, `batch_kernel`'s choice ("" for none);
+    # on_batch_kernel says which calls take it
+    batch: str = ""
 
     @classmethod
     def dense(cls, lib: "KernelLib", w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -127,21 +142,17 @@ class PackedLinear:
         fmt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}[w.dtype]
         if scale is not None:
             scale = _pad_rows(scale.float()).contiguous()
-        amx = fmt == "int8" and lib.linear_int8_amx is not None and amx_enabled()
         return cls(lib, fmt, w.shape[0], w.shape[1], pack_dense(w), scale=scale, bias=_bias(bias),
-                   int8_act=fmt == "int8" and int8_activations(), amx=amx,
-                   bf16gemm=fmt == "int8" and not amx and lib.linear_int8_bf16gemm is not None
-                   and bf16_gemm_enabled())
+                   int8_act=fmt == "int8" and int8_activations(), batch=batch_kernel(lib, fmt))
 
     @classmethod
     def int4(cls, lib: "KernelLib", q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
              in_features: int, bias: Optional[torch.Tensor] = None) -> "PackedLinear":
         """quantize_int4's output (inputs padded to the group) for a layer of `in_features` inputs."""
         data, sz = pack_int4(q, scale, zero)
-        amx = lib.linear_int4_amx is not None and amx_enabled()
         return cls(lib, "int4", q.shape[0], in_features, data, sz=sz, group_size=group_size, bias=_bias(bias),
                    int8_act=int8_activations(), bf16dot=lib.linear_int4_bf16dot is not None and int4_bf16dot(),
-                   amx=amx, bf16gemm=not amx and lib.linear_int4_bf16gemm is not None and bf16_gemm_enabled())
+                   batch=batch_kernel(lib, "int4"))
 
     @property
     def padded_in(self) -> int:
@@ -153,33 +164,23 @@ class PackedLinear:
         """Bytes the kernel streams per call (weights, scales)."""
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.sz) if t is not None)
 
-    def on_amx(self, x: torch.Tensor) -> bool:
-        """Whether this call runs on AMX tiles: a bf16 step of AMX_ROWS rows on a layer that has them, unless its
-        activations are quantized to int8 (LLMRT_INT8_ACTIVATIONS)."""
-        return self.amx and AMX_ROWS[0] <= x.shape[0] <= AMX_ROWS[1] and self._bf16_batch(x)
-
-    def on_bf16gemm(self, x: torch.Tensor) -> bool:
-        """Whether this call runs the vdpbf16ps panel kernel: a bf16 step of BF16_GEMM_MIN_ROWS[fmt] rows or more
-        on a layer that has it, unless its activations are quantized to int8."""
-        return self.bf16gemm and x.shape[0] >= BF16_GEMM_MIN_ROWS[self.fmt] and self._bf16_batch(x)
-
     def on_batch_kernel(self, x: torch.Tensor) -> bool:
-        """Whether this call runs one of the batched int8/int4 x bf16 kernels (AMX tiles or vdpbf16ps panels)."""
-        return self.on_amx(x) or self.on_bf16gemm(x)
-
-    def _bf16_batch(self, x: torch.Tensor) -> bool:
-        return x.dtype == torch.bfloat16 and x.dim() == 2 and not self.int8_act
+        """Whether this call runs the layer's batched kernel: a 2-D bf16 step of `batch_rows` rows, unless its
+        activations are quantized to int8 (LLMRT_INT8_ACTIVATIONS)."""
+        if not self.batch or x.dtype != torch.bfloat16 or x.dim() != 2 or self.int8_act:
+            return False
+        lo, hi = batch_rows(self.batch, self.fmt)
+        return lo <= x.shape[0] <= hi
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """y = x W^T + b for a 2-D float32/bfloat16 x (y in x's dtype)."""
         lib, b = self.lib, self.bias
-        amx = self.on_amx(x)
-        if amx or self.on_bf16gemm(x):
+        if self.on_batch_kernel(x):
             x = x if x.stride(-1) == 1 else x.contiguous()
+            op = getattr(lib, f"linear_{self.fmt}_{self.batch}")
             if self.fmt == "int4":
-                fn4 = lib.linear_int4_amx if amx else lib.linear_int4_bf16gemm
-                return fn4(x, self.data, self.sz, self.group_size, self.n, b)
-            return (lib.linear_int8_amx if amx else lib.linear_int8_bf16gemm)(x, self.data, self.scale, self.n, b)
+                return op(x, self.data, self.sz, self.group_size, self.n, b)
+            return op(x, self.data, self.scale, self.n, b)
         if self.fmt == "int4":
             if self.bf16dot and not self.int8_act and x.dtype == torch.bfloat16:
                 return lib.linear_int4_bf16dot(x, self.data, self.sz, self.group_size, self.n, b)

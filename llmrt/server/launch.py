@@ -100,8 +100,8 @@ async def _serve(args: argparse.Namespace) -> int:
         app = build_app(engine, args)
         app.state.timeline.start()  # the dashboard's history starts now, not when the page is first opened
         # What start-up made (torch, the tokenizer, the app) stays out of the collector's later full passes, which
-        # run on the event loop: one took ~150-190 ms during a large request's handling, now ~20 ms; its garbage
-        # is collected first so that none of it is kept for good
+        # run on the event loop: one stopped it 180-190 ms during a large request (longest probe now ~20 ms); its
+        # garbage is collected first so that none of it is kept for good
         gc.collect()
         gc.freeze()
         await serve_on_socket(app, sock, "off", lambda port: _print_banner(args, engine, port))

@@ -91,7 +91,7 @@ inline void amx_group(const uint16_t* a, int64_t Kp, const uint32_t* xm, float* 
 // y [M, n] (bf16) = x W^T + b, 16 weight rows at a time split over the intra-op threads.
 template <typename Panel>
 at::Tensor amx_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, int64_t Kp, int64_t n,
-                      int64_t tile_bytes, const c10::optional<at::Tensor>& bias) {
+                      const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_ready(), "llmrt kernels: this process was not granted AMX tile state");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) <= Kp &&
               x.size(1) > Kp - AT_K, "llmrt kernels: AMX linear wants bfloat16 [rows, in_features <= ", Kp,
@@ -102,7 +102,7 @@ at::Tensor amx_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, i
   const Sink sink = sink_for(y, bias);
   const std::vector<uint32_t> xb = vnni_activations(x.data_ptr<c10::BFloat16>(), x.stride(0), M, x.size(1), Kp);
   const int64_t groups = (ntiles + AT_NT - 1) / AT_NT, Kt = Kp / AT_K;
-  at::parallel_for(0, groups, block_grain(AT_NT * tile_bytes), [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, groups, block_grain(AT_NT * panel.bytes()), [&](int64_t g0, int64_t g1) {
     thread_local std::vector<uint16_t> a;
     a.resize(AT_NT * AT_N * Kp);
     alignas(64) float c[AT_NT][AT_N][AT_M];
@@ -129,13 +129,13 @@ at::Tensor linear_int4_amx(const at::Tensor& x, const at::Tensor& wp, const at::
                            int64_t n, const c10::optional<at::Tensor>& bias) {
   const Int4 l = int4_layout(wp, sz, group_size);
   const Int4Panel p{l};
-  return amx_linear(x, p, wp.size(0), l.Kp, n, p.bytes(), bias);
+  return amx_linear(x, p, wp.size(0), l.Kp, n, bias);
 }
 
 at::Tensor linear_int8_amx(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, int64_t n,
                            const c10::optional<at::Tensor>& bias) {
   const Int8Panel p = int8_panel(wp, scale, "AMX linear");
-  return amx_linear(x, p, wp.size(0), p.Kp, n, p.bytes(), bias);
+  return amx_linear(x, p, wp.size(0), p.Kp, n, bias);
 }
 
 }  // namespace

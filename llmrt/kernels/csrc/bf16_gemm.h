@@ -57,7 +57,7 @@ inline void dp_tile(const uint16_t* a, int64_t Kt, int r0, const uint32_t* xm, i
     const uint32_t* x = xm + kt * AT_M * 16;
     if (pf)
       for (int j = 0; j < pf_lines; ++j) _mm_prefetch(pf + (kt * pf_lines + j) * 64, _MM_HINT_T1);
-    for (int r = 0; r < nr; ++r)  // this tile's panel rows two chunks ahead (~2% on a 4096 x 768 layer)
+    for (int r = 0; r < nr; ++r)  // this tile's panel rows two chunks ahead (4096 x 768: 0.82 -> 0.84 of peak, 1 run)
       _mm_prefetch(reinterpret_cast<const char*>(a_row(a, kt + 2, r0 + r)), _MM_HINT_T0);
     for (int k = 0; k < 16; ++k) {  // k: the pair (2k, 2k+1) of this chunk's 32 inputs
       __m512bh xv[mv];
