@@ -8,8 +8,8 @@ their (scale, zero) pairs are interleaved the same way per group.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +134,12 @@ class PackedLinear:
     # int8/int4: the batched kernel for bf16 steps of several rows, `batch_kernel`'s choice ("" for none);
     # on_batch_kernel says which calls take it
     batch: str = ""
+    _batch_rows: tuple[int, float] = field(init=False, repr=False)
+    _batch_op: Optional[Callable[..., torch.Tensor]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:  # the batched kernel's rows and op, looked up once (calls are per step)
+        self._batch_rows = batch_rows(self.batch, self.fmt) if self.batch else (1, 0)
+        self._batch_op = getattr(self.lib, f"linear_{self.fmt}_{self.batch}") if self.batch else None
 
     @classmethod
     def dense(cls, lib: "KernelLib", w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -167,20 +173,17 @@ class PackedLinear:
     def on_batch_kernel(self, x: torch.Tensor) -> bool:
         """Whether this call runs the layer's batched kernel: a 2-D bf16 step of `batch_rows` rows, unless its
         activations are quantized to int8 (LLMRT_INT8_ACTIVATIONS)."""
-        if not self.batch or x.dtype != torch.bfloat16 or x.dim() != 2 or self.int8_act:
-            return False
-        lo, hi = batch_rows(self.batch, self.fmt)
-        return lo <= x.shape[0] <= hi
+        lo, hi = self._batch_rows
+        return lo <= x.shape[0] <= hi and x.dtype == torch.bfloat16 and x.dim() == 2 and not self.int8_act
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """y = x W^T + b for a 2-D float32/bfloat16 x (y in x's dtype)."""
         lib, b = self.lib, self.bias
         if self.on_batch_kernel(x):
             x = x if x.stride(-1) == 1 else x.contiguous()
-            op = getattr(lib, f"linear_{self.fmt}_{self.batch}")
             if self.fmt == "int4":
-                return op(x, self.data, self.sz, self.group_size, self.n, b)
-            return op(x, self.data, self.scale, self.n, b)
+                return self._batch_op(x, self.data, self.sz, self.group_size, self.n, b)
+            return self._batch_op(x, self.data, self.scale, self.n, b)
         if self.fmt == "int4":
             if self.bf16dot and not self.int8_act and x.dtype == torch.bfloat16:
                 return lib.linear_int4_bf16dot(x, self.data, self.sz, self.group_size, self.n, b)
