@@ -113,7 +113,7 @@ def keep_dense_copy(setting: str, copy_bytes: int, memory_total: int) -> bool:
     return copy_bytes <= memory_total * DENSE_COPY_MAX_SHARE
 
 
-@dataclass
+@dataclass(frozen=True)  # frozen: the batched kernel's op and rows follow `batch` (dataclasses.replace)
 class PackedLinear:
     """One layer's weights in the kernels' layout with what its calls need: out/in sizes, int8 row scales,
     int4 group (scale, zero) pairs, and the bias as float32 (converted once here, not per call)."""
@@ -138,8 +138,9 @@ class PackedLinear:
     _batch_op: Optional[Callable[..., torch.Tensor]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:  # the batched kernel's rows and op, looked up once (calls are per step)
-        self._batch_rows = batch_rows(self.batch, self.fmt) if self.batch else (1, 0)
-        self._batch_op = getattr(self.lib, f"linear_{self.fmt}_{self.batch}") if self.batch else None
+        object.__setattr__(self, "_batch_rows", batch_rows(self.batch, self.fmt) if self.batch else (1, 0))
+        object.__setattr__(self, "_batch_op", getattr(self.lib, f"linear_{self.fmt}_{self.batch}") if self.batch
+                           else None)
 
     @classmethod
     def dense(cls, lib: "KernelLib", w: torch.Tensor, bias: Optional[torch.Tensor] = None,
