@@ -101,7 +101,7 @@ at::Tensor dp_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, in
   // one activation tile row (16 rows x Kp) of xb, plus a cache line: the DP_MV rows a register tile reads are
   // then not a power of two apart (with K = 4096, 128 KB: all in the same L1 sets)
   const int64_t tstride = Kt * AT_M * 16 + 16;
-  const std::vector<uint32_t> xb =
+  const std::unique_ptr<uint32_t[]> xb =
       vnni_activations(x.data_ptr<c10::BFloat16>(), x.stride(0), M, x.size(1), Kp, tstride - Kt * AT_M * 16);
   // register tiles' worth of activations (DP_MV tiles each) multiplied by one panel before the next: the panel
   // stays in L1/L2 and up to ~384 KB of activations in L2
@@ -127,7 +127,7 @@ at::Tensor dp_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, in
           const uint16_t* ai = a + i * AT_N * Kp;
           for (int64_t mt = mb; mt < std::min<int64_t>(Mt, mb + DP_MV * mblock); mt += DP_MV) {
             const int mv = int(std::min<int64_t>(DP_MV, Mt - mt));
-            const uint32_t* xm = xb.data() + mt * tstride;
+            const uint32_t* xm = xb.get() + mt * tstride;
             // while the first activation tiles are multiplied, the next group of this thread's range is fetched
             const int64_t next = (g + 1) * G + i;
             const char* pf = mt == 0 && g + 1 < g1 && next < panels ? panel.packed(4 * next) : nullptr;
