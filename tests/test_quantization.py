@@ -1,7 +1,9 @@
 """Quantization: the capability table, int8/int4 weight-only methods on every architecture, the int8 KV cache."""
 from __future__ import annotations
 
+import json
 import logging
+import math
 import random
 
 import pytest
@@ -156,6 +158,40 @@ def test_quality_on_the_embedded_model(embedded_model_dir):
     q4 = quality_of(str(embedded_model_dir), tokens, "int4", group_size=32, ref=ref)
     # measured: 0.89, +5.5% (+7.1% before the least-squares refit of scale and zero, which this bound excludes)
     assert q4.top1_agreement >= 0.85 and q4.perplexity <= base * 1.07, q4
+
+
+def test_perplexity_change_interval():
+    """`bench quality`'s 95% interval of the perplexity change (paired block bootstrap over token positions): none
+    for identical losses, exact for a constant shift, containing the point estimate, narrower on more tokens,
+    reproducible, and reported by the CLI."""
+    from llmrt.bench.quality import ppl_change_interval
+
+    g = torch.Generator().manual_seed(3)
+    ref = torch.rand(200, generator=g) * 3
+    assert ppl_change_interval(ref, ref) == (0.0, 0.0)
+    lo, hi = ppl_change_interval(ref + 0.05, ref)
+    assert lo == pytest.approx(math.expm1(0.05)) and hi == pytest.approx(math.expm1(0.05))
+    noise = torch.randn(2000, generator=g) * 0.5 + 0.05
+    short = ppl_change_interval(ref[:100] + noise[:100], ref[:100])
+    long = ppl_change_interval(torch.cat([ref] * 10) + noise, torch.cat([ref] * 10))
+    point = math.expm1(float(noise.double().mean()))
+    assert long[0] < point < long[1] and long[1] - long[0] < (short[1] - short[0]) / 2, (short, long)
+    assert ppl_change_interval(ref[:100] + noise[:100], ref[:100]) == short  # seeded
+    assert ppl_change_interval(torch.empty(0), torch.empty(0)) == (0.0, 0.0)
+
+
+def test_bench_quality_reports_the_interval(tmp_path):
+    """`llmrt bench quality` on the embedded model writes each configuration's interval (the reference's is
+    zero-width) beside its perplexity."""
+    from llmrt.cli import main
+
+    assert main(["bench", "quality", "--quantization", "int8", "--output", str(tmp_path / "q.json")]) == 0
+    reports = json.loads((tmp_path / "q.json").read_text())["reports"]
+    assert [r["label"] for r in reports] == ["unquantized", "int8"]
+    assert reports[0]["ppl_change_ci"] == [0.0, 0.0]
+    lo, hi = reports[1]["ppl_change_ci"]
+    change = reports[1]["perplexity"] / reports[0]["perplexity"] - 1
+    assert lo < hi and lo - 1e-9 <= change <= hi + 1e-9, reports[1]
 
 
 def test_int8_activations_on_the_embedded_model(embedded_model_dir, monkeypatch):

@@ -75,6 +75,8 @@ class QualityReport:
     mean_kl: float  # mean KL(reference || this) of the next-token distributions: steadier than perplexity
     weights_bytes: int
     seconds: float
+    # the 95% interval of the perplexity change against the reference, as fractions (ppl_change_interval)
+    ppl_change_ci: tuple[float, float] = (0.0, 0.0)
 
 
 def perplexity(logits: torch.Tensor, tokens: list[int]) -> float:
@@ -84,6 +86,33 @@ def perplexity(logits: torch.Tensor, tokens: list[int]) -> float:
     return float(torch.exp(nll))
 
 
+def token_nll(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """The negative log-likelihood of each next token (len(tokens) - 1 values)."""
+    return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(tokens[1:]), reduction="none")
+
+
+# A 95% interval for the perplexity change, by a moving-block bootstrap over token positions: neighbouring tokens'
+# losses are correlated, so positions are resampled in runs of BOOTSTRAP_BLOCK (wrapping around) rather than one
+# by one. The change is paired (the same positions for both models), which removes the text's own difficulty.
+BOOTSTRAP_BLOCK = 16
+BOOTSTRAP_SAMPLES = 2000
+
+
+def ppl_change_interval(nll: torch.Tensor, ref_nll: torch.Tensor, samples: int = BOOTSTRAP_SAMPLES,
+                        block: int = BOOTSTRAP_BLOCK, seed: int = 0) -> tuple[float, float]:
+    """(low, high) of the 95% bootstrap interval of perplexity / reference perplexity - 1, as fractions."""
+    d = (nll - ref_nll).double()
+    n = d.numel()
+    if n == 0:
+        return 0.0, 0.0
+    block = max(1, min(block, n))
+    starts = torch.randint(0, n, (samples, -(-n // block)), generator=torch.Generator().manual_seed(seed))
+    idx = ((starts[..., None] + torch.arange(block)) % n).view(samples, -1)[:, :n]
+    changes = torch.expm1(d[idx].mean(-1))
+    lo, hi = torch.quantile(changes, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return lo, hi
+
+
 def compare(label: str, logits: torch.Tensor, ref: torch.Tensor, tokens: list[int], weights: int,
             seconds: float) -> QualityReport:
     """The report of `logits` against `ref`."""
@@ -91,7 +120,8 @@ def compare(label: str, logits: torch.Tensor, ref: torch.Tensor, tokens: list[in
     kl = torch.nn.functional.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True,
                                     reduction="batchmean").item()
     return QualityReport(label, perplexity(logits, tokens), float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
-                         err, err / max(ref.abs().max().item(), 1e-12), kl, weights, seconds)
+                         err, err / max(ref.abs().max().item(), 1e-12), kl, weights, seconds,
+                         ppl_change_interval(token_nll(logits, tokens), token_nll(ref, tokens)))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -139,12 +169,15 @@ def run(args: argparse.Namespace) -> int:
     base_ppl = reports[0].perplexity
     print(f"{base.model}: {len(tokens)} tokens")
     width = max(22, *(len(r.label) for r in reports))
-    print(f"{'config':<{width}} {'perplexity':>10} {'ppl +%':>7} {'top-1 agree':>11} {'mean KL':>8} {'max |dlogit|':>12} "
-          f"{'weights MiB':>11}")
+    print(f"{'config':<{width}} {'perplexity':>10} {'ppl +%':>7} {'95% interval':>16} {'top-1 agree':>11} "
+          f"{'mean KL':>8} {'max |dlogit|':>12} {'weights MiB':>11}")
     for r in reports:
-        print(f"{r.label:<{width}} {r.perplexity:>10.4f} {100 * (r.perplexity / base_ppl - 1):>7.2f} "
+        ci = f"[{100 * r.ppl_change_ci[0]:+.2f}, {100 * r.ppl_change_ci[1]:+.2f}]"
+        print(f"{r.label:<{width}} {r.perplexity:>10.4f} {100 * (r.perplexity / base_ppl - 1):>7.2f} {ci:>16} "
               f"{r.top1_agreement:>11.4f} {r.mean_kl:>8.4f} {r.max_abs_logit_error:>12.4f} "
               f"{r.weights_bytes / (1 << 20):>11.2f}")
+    print(f"95% interval: of the perplexity change, paired, by a bootstrap over runs of {BOOTSTRAP_BLOCK} token "
+          f"positions ({BOOTSTRAP_SAMPLES} samples)")
     if args.output:
         Path(args.output).write_text(json.dumps({"model": base.model, "tokens": len(tokens),
                                                  "reports": [asdict(r) for r in reports]}, indent=2))
