@@ -100,7 +100,8 @@ at::Tensor amx_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, i
   const int64_t M = x.size(0), Mt = (M + AT_M - 1) / AT_M, ntiles = (blocks + 3) / 4;
   at::Tensor y = at::empty({M, n}, x.options());
   const Sink sink = sink_for(y, bias);
-  const std::unique_ptr<uint32_t[]> xb = vnni_activations(x.data_ptr<c10::BFloat16>(), x.stride(0), M, x.size(1), Kp);
+  const std::unique_ptr<uint32_t[]> xb =
+      vnni_activations(x.data_ptr<c10::BFloat16>(), x.stride(0), M, x.size(1), Kp);
   const int64_t groups = (ntiles + AT_NT - 1) / AT_NT, Kt = Kp / AT_K;
   at::parallel_for(0, groups, block_grain(AT_NT * panel.bytes()), [&](int64_t g0, int64_t g1) {
     thread_local std::vector<uint16_t> a;
