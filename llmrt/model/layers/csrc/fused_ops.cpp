@@ -65,10 +65,12 @@ inline vf vround_to(vf v, const uint16_t*) {
   return vload(tmp);
 }
 
-// Rows per parallel task: about 256K elements (~50-100 us of work). A decode step of up to ~64 sequences then stays
-// on the calling thread: a parallel region costs more than such work on an idle machine, and on a loaded one each
-// region can wait milliseconds for a descheduled OpenMP thread (docs/performance.md).
-inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 262144 / std::max<int64_t>(1, row_elems)); }
+// Rows per parallel task: about 64K elements (~15-30 us of work). A decode step of up to 64 sequences of the
+// 124.7M model (norms 64 x 768, rotary 64 x 16 heads x 64, SiLU 16 x 2 x 2048) then stays on the calling thread:
+// a parallel region costs more than such work on an idle machine, and on a loaded one each region can wait
+// milliseconds for a descheduled OpenMP thread (docs/performance.md). With 256K (before 2026-12-06) a 256-token
+// prefill's norms ran on one thread: 106 us for add_rms_norm_ at 256 x 768 against 111 us at 512 rows on two.
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, row_elems)); }
 
 template <typename T>
 void rms_rows(const T* x, int64_t x_stride, T* out, int64_t out_stride, T* residual, int64_t res_stride,
