@@ -103,8 +103,11 @@ def test_layers_take_the_torch_path_when_told_or_off_cpu(monkeypatch):
     act(x)
     assert calls
     calls.clear()
-    act(torch.randn(17, 8))  # beyond FUSED_SILU_MAX_ROWS torch's silu and mul are faster (activation.py)
+    act(torch.randn(17, 8))  # beyond FUSED_SILU_MAX_ROWS torch's silu and mul are faster in fp32 (activation.py)
     assert not calls
+    act(torch.randn(300, 8).bfloat16())  # bf16 takes the fused pass at every size
+    assert calls
+    calls.clear()
     assert GatedActivation("gelu_new")(x).shape == (2, 4)  # not SiLU: torch's ops
 
 
