@@ -59,9 +59,9 @@ class GatedActivation(nn.Module):
         self.fused = True  # the fused CPU kernel where it loads (llmrt/model/layers/fused.py)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        small = gate_up.dim() == 2 and (gate_up.shape[0] <= FUSED_SILU_MAX_ROWS or
-                                        gate_up.dtype in FUSED_SILU_ALL_ROWS_DTYPES)
-        ops = ops_for(gate_up, self.fused) if self.act is F.silu and small else None
+        takes_fused = gate_up.dim() == 2 and (gate_up.shape[0] <= FUSED_SILU_MAX_ROWS or
+                                              gate_up.dtype in FUSED_SILU_ALL_ROWS_DTYPES)
+        ops = ops_for(gate_up, self.fused) if self.act is F.silu and takes_fused else None
         if ops is not None and gate_up.stride(-1) == 1:
             return ops.silu_mul(gate_up)
         return gated(self.act, gate_up)
