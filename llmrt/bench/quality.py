@@ -79,16 +79,14 @@ class QualityReport:
     ppl_change_ci: tuple[float, float] = (0.0, 0.0)
 
 
-def perplexity(logits: torch.Tensor, tokens: list[int]) -> float:
-    """exp(mean NLL of each next token)."""
-    target = torch.tensor(tokens[1:])
-    nll = torch.nn.functional.cross_entropy(logits[:-1], target)
-    return float(torch.exp(nll))
-
-
 def token_nll(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     """The negative log-likelihood of each next token (len(tokens) - 1 values)."""
     return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(tokens[1:]), reduction="none")
+
+
+def perplexity(logits: torch.Tensor, tokens: list[int]) -> float:
+    """exp(mean NLL of each next token)."""
+    return float(torch.exp(token_nll(logits, tokens).mean()))
 
 
 # A 95% interval for the perplexity change, by a moving-block bootstrap over token positions: neighbouring tokens'
@@ -119,9 +117,10 @@ def compare(label: str, logits: torch.Tensor, ref: torch.Tensor, tokens: list[in
     err = (logits - ref).abs().max().item()
     kl = torch.nn.functional.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True,
                                     reduction="batchmean").item()
-    return QualityReport(label, perplexity(logits, tokens), float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
-                         err, err / max(ref.abs().max().item(), 1e-12), kl, weights, seconds,
-                         ppl_change_interval(token_nll(logits, tokens), token_nll(ref, tokens)))
+    nll = token_nll(logits, tokens)  # once: the perplexity and its change's interval
+    agree = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+    return QualityReport(label, float(torch.exp(nll.mean())), agree, err, err / max(ref.abs().max().item(), 1e-12),
+                         kl, weights, seconds, ppl_change_interval(nll, token_nll(ref, tokens)))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -90,14 +90,11 @@ inline void amx_group(const uint16_t* a, int64_t Kp, const uint32_t* xm, float* 
 
 // y [M, n] (bf16) = x W^T + b, 16 weight rows at a time split over the intra-op threads.
 template <typename Panel>
-at::Tensor amx_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, int64_t Kp, int64_t n,
+at::Tensor amx_linear(const at::Tensor& x, const Panel& panel, int64_t n,
                       const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_ready(), "llmrt kernels: this process was not granted AMX tile state");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) <= Kp &&
-              x.size(1) > Kp - AT_K, "llmrt kernels: AMX linear wants bfloat16 [rows, in_features <= ", Kp,
-              "] with unit column stride, got ", x.sizes());
-  TORCH_CHECK((n + NB - 1) / NB == blocks, "llmrt kernels: ", n, " rows do not match ", blocks, " packed blocks");
-  const int64_t M = x.size(0), Mt = (M + AT_M - 1) / AT_M, ntiles = (blocks + 3) / 4;
+  check_panel_call(x, panel, n, "AMX linear");
+  const int64_t Kp = panel.kp(), M = x.size(0), Mt = (M + AT_M - 1) / AT_M, ntiles = (panel.blocks + 3) / 4;
   at::Tensor y = at::empty({M, n}, x.options());
   const Sink sink = sink_for(y, bias);
   const std::unique_ptr<uint32_t[]> xb =
@@ -110,7 +107,7 @@ at::Tensor amx_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, i
     configure_tiles();
     for (int64_t g = g0; g < g1; ++g) {
       const int nt = int(std::min<int64_t>(AT_NT, ntiles - g * AT_NT));
-      for (int i = 0; i < nt; ++i) panel.fill(4 * (g * AT_NT + i), blocks, a.data() + i * AT_N * Kp);
+      for (int i = 0; i < nt; ++i) panel.fill(4 * (g * AT_NT + i), a.data() + i * AT_N * Kp);
       for (int64_t mt = 0; mt < Mt; ++mt) {
         const uint32_t* xm = xb.get() + mt * Kt * AT_M * 16;
         if (nt == 4) amx_group<4>(a.data(), Kp, xm, &c[0][0][0]);
@@ -128,15 +125,12 @@ at::Tensor amx_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, i
 
 at::Tensor linear_int4_amx(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sz, int64_t group_size,
                            int64_t n, const c10::optional<at::Tensor>& bias) {
-  const Int4 l = int4_layout(wp, sz, group_size);
-  const Int4Panel p{l};
-  return amx_linear(x, p, wp.size(0), l.Kp, n, bias);
+  return amx_linear(x, int4_panel(wp, sz, group_size), n, bias);
 }
 
 at::Tensor linear_int8_amx(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, int64_t n,
                            const c10::optional<at::Tensor>& bias) {
-  const Int8Panel p = int8_panel(wp, scale, "AMX linear");
-  return amx_linear(x, p, wp.size(0), p.Kp, n, bias);
+  return amx_linear(x, int8_panel(wp, scale, "AMX linear"), n, bias);
 }
 
 }  // namespace

@@ -87,13 +87,11 @@ inline void dp_panel(const uint16_t* a, int64_t Kt, const uint32_t* xm, int64_t 
 
 // y [M, n] (bf16) = x W^T + b, G 16-row panels at a time (dp_group) split over the intra-op threads.
 template <typename Panel>
-at::Tensor dp_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, int64_t Kp, int64_t n,
+at::Tensor dp_linear(const at::Tensor& x, const Panel& panel, int64_t n,
                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) <= Kp &&
-              x.size(1) > Kp - AT_K, "llmrt kernels: bf16 GEMM wants bfloat16 [rows, in_features <= ", Kp,
-              "] with unit column stride, got ", x.sizes());
-  TORCH_CHECK((n + NB - 1) / NB == blocks, "llmrt kernels: ", n, " rows do not match ", blocks, " packed blocks");
-  const int64_t M = x.size(0), Mt = (M + AT_M - 1) / AT_M, panels = (blocks + 3) / 4, Kt = Kp / AT_K;
+  check_panel_call(x, panel, n, "bf16 GEMM");
+  const int64_t Kp = panel.kp(), M = x.size(0), Mt = (M + AT_M - 1) / AT_M, panels = (panel.blocks + 3) / 4,
+                Kt = Kp / AT_K;
   const int G = dp_group(M, Kp, panels);
   const int64_t groups = (panels + G - 1) / G, pb = panel.packed_bytes();
   at::Tensor y = at::empty({M, n}, x.options());
@@ -121,7 +119,7 @@ at::Tensor dp_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, in
     for (int64_t g = g0; g < g1; ++g) {
       const int np = int(std::min<int64_t>(G, panels - g * G));
       const int64_t n0 = g * G * AT_N, ncols = std::min<int64_t>(np * AT_N, n - n0);
-      for (int i = 0; i < np; ++i) panel.fill(4 * (g * G + i), blocks, a + i * AT_N * Kp);
+      for (int i = 0; i < np; ++i) panel.fill(4 * (g * G + i), a + i * AT_N * Kp);
       for (int64_t mb = 0; mb < Mt; mb += DP_MV * mblock) {  // activation rows that stay in L2 across panels
         for (int i = 0; i < np; ++i) {
           const uint16_t* ai = a + i * AT_N * Kp;
@@ -150,15 +148,12 @@ at::Tensor dp_linear(const at::Tensor& x, const Panel& panel, int64_t blocks, in
 
 at::Tensor linear_int4_bf16gemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sz,
                                 int64_t group_size, int64_t n, const c10::optional<at::Tensor>& bias) {
-  const Int4 l = int4_layout(wp, sz, group_size);
-  const Int4Panel p{l};
-  return dp_linear(x, p, wp.size(0), l.Kp, n, bias);
+  return dp_linear(x, int4_panel(wp, sz, group_size), n, bias);
 }
 
 at::Tensor linear_int8_bf16gemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, int64_t n,
                                 const c10::optional<at::Tensor>& bias) {
-  const Int8Panel p = int8_panel(wp, scale, "bf16 GEMM");
-  return dp_linear(x, p, wp.size(0), p.Kp, n, bias);
+  return dp_linear(x, int8_panel(wp, scale, "bf16 GEMM"), n, bias);
 }
 
 }  // namespace

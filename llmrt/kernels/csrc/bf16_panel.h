@@ -77,14 +77,18 @@ std::unique_ptr<uint32_t[]> vnni_activations(const c10::BFloat16* x, int64_t ldx
 inline uint16_t* a_row(uint16_t* a, int64_t c, int row) { return a + (c * AT_N + row) * AT_K; }
 inline const uint16_t* a_row(const uint16_t* a, int64_t c, int row) { return a + (c * AT_N + row) * AT_K; }
 
+// A panel source says its padded inputs (kp), its packed 4-row blocks, where a panel's packed bytes are, and fills a
+// panel: the batched drivers (amx.h, bf16_gemm.h) take everything else from it.
 struct Int4Panel {
-  const Int4& l;
+  Int4 l;
+  int64_t blocks;
+  int64_t kp() const { return l.Kp; }
   const float* row_scale() const { return nullptr; }
   // the packed bytes of the panel at block b0 (its weights are contiguous; the scales are ~1/16 of them)
   const char* packed(int64_t b0) const { return reinterpret_cast<const char*>(l.w + b0 * l.Kp * NB / 2); }
   int64_t packed_bytes() const { return AT_N * l.Kp / 2; }
   int64_t bytes() const { return AT_N * (l.Kp / 2 + l.Kp / l.gs * 4); }  // with the scales and zeros
-  void fill(int64_t b0, int64_t blocks, uint16_t* a) const {
+  void fill(int64_t b0, uint16_t* a) const {
     const __m512i low = _mm512_set1_epi32(0xF);
     const int64_t groups = l.Kp / l.gs, per_group = l.gs / AT_K;
     for (int bi = 0; bi < 4; ++bi) {
@@ -121,12 +125,13 @@ struct Int4Panel {
 struct Int8Panel {
   const int8_t* w;  // Dense<int8_t>'s packed layout
   const float* scale;
-  int64_t Kp;
+  int64_t Kp, blocks;
+  int64_t kp() const { return Kp; }
   const float* row_scale() const { return scale; }
   const char* packed(int64_t b0) const { return reinterpret_cast<const char*>(w + b0 * Kp * NB); }
   int64_t packed_bytes() const { return AT_N * Kp; }
   int64_t bytes() const { return AT_N * (Kp + 4); }  // with the row scales
-  void fill(int64_t b0, int64_t blocks, uint16_t* a) const {
+  void fill(int64_t b0, uint16_t* a) const {
     for (int bi = 0; bi < 4; ++bi) {
       if (b0 + bi >= blocks) {
         for (int64_t c = 0; c < Kp / AT_K; ++c) std::memset(a_row(a, c, bi * NB), 0, NB * AT_K * sizeof(uint16_t));
@@ -151,7 +156,24 @@ inline Int8Panel int8_panel(const at::Tensor& wp, const at::Tensor& scale, const
   const int64_t Kp = wp.size(1) / NB;
   TORCH_CHECK(Kp % AT_K == 0 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
               scale.numel() >= wp.size(0) * NB, "llmrt kernels: int8 ", what, ": bad packed weights or scales");
-  return {wp.data_ptr<int8_t>(), scale.data_ptr<float>(), Kp};
+  return {wp.data_ptr<int8_t>(), scale.data_ptr<float>(), Kp, wp.size(0)};
+}
+
+// The int4 packed weights and their (scale, zero) pairs as a panel source (int4_layout checks them).
+inline Int4Panel int4_panel(const at::Tensor& wp, const at::Tensor& sz, int64_t group_size) {
+  return {int4_layout(wp, sz, group_size), wp.size(0)};
+}
+
+// The checks both batched drivers make of a call: x bf16 [rows, in_features] with unit column stride, in_features
+// padded to the panel's kp, and n outputs in its packed blocks.
+template <typename Panel>
+void check_panel_call(const at::Tensor& x, const Panel& panel, int64_t n, const char* what) {
+  const int64_t Kp = panel.kp();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) <= Kp &&
+              x.size(1) > Kp - AT_K, "llmrt kernels: ", what, " wants bfloat16 [rows, in_features <= ", Kp,
+              "] with unit column stride, got ", x.sizes());
+  TORCH_CHECK((n + NB - 1) / NB == panel.blocks, "llmrt kernels: ", n, " rows do not match ", panel.blocks,
+              " packed blocks");
 }
 
 // rows rows of out (bf16, row stride ld) from a C tile [16 n][16 m] of outputs n0..n0+15: the tile transposed,
