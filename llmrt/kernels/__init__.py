@@ -102,6 +102,12 @@ def build_dir(isa: str) -> Path:
     return build.build_dir("kernels", f"llmrt_kernels_{isa}", sorted(CSRC.iterdir()), _cflags(isa))
 
 
+def int16_activations(isa: str) -> bool:
+    """Whether `isa`'s int8/int4 vector kernels (linear_int8, linear_int4) round activations to int16 per block of
+    32 inputs (csrc/int_i16.h: AVX2 builds) rather than widening the weights to fp32 (AVX-512 builds)."""
+    return isa == "avx2"
+
+
 def has_bf16_dot(isa: str, flags: frozenset[str]) -> bool:
     """Whether `isa`'s build has the vdpbf16ps kernels (int4 x bf16 vectors, int8/int4 x bf16 panels) on a CPU with
     `flags` (AVX-512 builds, AVX512-BF16)."""

@@ -280,13 +280,6 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& wp, int64_t n, con
   return linear_dense<float>(x, wp, n, bias, at::kFloat, nullptr, "float32");
 }
 
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, int64_t n,
-                       const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() >= n,
-              "llmrt kernels: scale must be float32 [out]");
-  return linear_dense<int8_t>(x, wp, n, bias, at::kChar, scale.data_ptr<float>(), "int8");
-}
-
 Int4 int4_layout(const at::Tensor& wp, const at::Tensor& sz, int64_t gs) {
   TORCH_CHECK(wp.scalar_type() == at::kByte && wp.dim() == 2 && wp.is_contiguous(),
               "llmrt kernels: packed int4 weights must be a contiguous uint8 matrix");
@@ -298,22 +291,44 @@ Int4 int4_layout(const at::Tensor& wp, const at::Tensor& sz, int64_t gs) {
   return {wp.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(sz.data_ptr()), Kp, gs};
 }
 
-at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sz, int64_t group_size, int64_t n,
-                       const c10::optional<at::Tensor>& bias) {
-  Int4 l = int4_layout(wp, sz, group_size);
-  Call c = prepare_call(x, wp, 2, group_size, n, bias, "int4");
-  for_all_blocks(l, x.size(0), c.blocks, NB * (c.Kp / 2 + c.Kp / group_size * 4), c.a.p, c.a.ld, c.sink);
-  return c.y;
-}
-
 }  // namespace
 
 #include "qlinear.h"  // int8/int4 weights times int8-quantized activations (integer dot products)
+#include "int_i16.h"  // int8/int4 weights times int16-quantized activations (AVX2 builds)
 #include "int4_bf16dot.h"  // int4 weights times bf16 activations by vdpbf16ps (AVX-512 builds, AVX512-BF16 CPUs)
 #include "amx.h"  // int8/int4 weights times bf16 activations on AMX tiles (AVX-512 builds, AMX-BF16 CPUs)
 #include "bf16_gemm.h"  // the same by vdpbf16ps for several rows (AVX-512 builds, AVX512-BF16 CPUs)
 
 namespace {
+
+// int8/int4 weights times float32/bfloat16 activations: widened to fp32 in registers on AVX-512 (int4: a 16-entry
+// permute per 16 weights), times int16-quantized activations on AVX2 (int_i16.h).
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, int64_t n,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() >= n,
+              "llmrt kernels: scale must be float32 [out]");
+#if defined(LLMRT_AVX512)
+  return linear_dense<int8_t>(x, wp, n, bias, at::kChar, scale.data_ptr<float>(), "int8");
+#else
+  TORCH_CHECK(wp.scalar_type() == at::kChar, "llmrt kernels: packed weights must be int8");
+  Call c = prepare_call(x, wp, 1, 32, n, bias, "int8");
+  c.sink.scale = scale.data_ptr<float>();
+  return linear_i16<false, Int8Rows>(wp.data_ptr<int8_t>(), NB * c.Kp, nullptr, 0, NB * c.Kp, c, x.size(0));
+#endif
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sz, int64_t group_size, int64_t n,
+                       const c10::optional<at::Tensor>& bias) {
+  Int4 l = int4_layout(wp, sz, group_size);
+  Call c = prepare_call(x, wp, 2, group_size, n, bias, "int4");
+  const int64_t block_bytes = NB * (c.Kp / 2 + c.Kp / group_size * 4);
+#if defined(LLMRT_AVX512)
+  for_all_blocks(l, x.size(0), c.blocks, block_bytes, c.a.p, c.a.ld, c.sink);
+  return c.y;
+#else
+  return linear_i16<true, NibbleRows>(l.w, NB * c.Kp / 2, l.sz, group_size, block_bytes, c, x.size(0));
+#endif
+}
 
 // The packed weights back as a dense [N, K] float32/bfloat16 matrix (int8: times its row scales), for steps too
 // large for the kernels (torch's GEMM runs them); the same fp32 values the kernels compute with.
