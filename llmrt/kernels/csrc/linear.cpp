@@ -8,7 +8,8 @@
 // prefetcher sees a single sequential stream instead of 4 short rows: 1.5-2.5x the bandwidth of the old
 // row-major kernels, benchmarks/gemv-bandwidth*.md). Rows are padded to a multiple of 4 and inputs to a whole chunk (group, for
 // int4) with zero weights. Every output row is computed with the same reduction order whatever M is, so a row's
-// result does not depend on what else is in the batch.
+// result does not depend on what else is in the batch. The AVX2 build's int8/int4 kernels multiply the same
+// packed weights by int16-rounded activations instead of widening them to fp32 (int_i16.h).
 // One source, compiled once per ISA (LLMRT_AVX512 or AVX2+FMA); the op namespace is LLMRT_NS so that both
 // builds can be loaded into one process (tests compare them).
 #include <ATen/core/Tensor.h>
