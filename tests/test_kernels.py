@@ -192,6 +192,21 @@ def test_int_kernels_with_int16_activations(isa, fmt, gs):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_non_finite_activations_reach_the_output(isa, fmt):
+    """A NaN or inf in a row's activations makes that row's outputs non-finite, as a float matmul would (the int16
+    rounding must not turn it into a finite number), and leaves the other rows alone."""
+    lib = K.load(isa)
+    p, _ = _weights(lib, 37, 100, fmt)
+    for bad in (float("nan"), float("inf")):
+        for rows in (1, 2, 5):
+            x = torch.randn(rows, 100)
+            x[0, 40] = bad
+            y = p(x)
+            assert not torch.isfinite(y[0]).any() and torch.isfinite(y[1:]).all(), (isa, fmt, bad, rows)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_a_rows_result_does_not_depend_on_the_batch(isa):
     """Streaming (few rows) and widened-panel (many rows) paths do the same arithmetic: bitwise equal rows; the
     int8-activation kernels quantize each row on its own and re-read blocks from cache for further rows."""

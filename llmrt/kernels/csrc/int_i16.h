@@ -14,6 +14,7 @@
 // ones widen each weight block once into an int16 panel that every row tile reads.
 #pragma once
 #if !defined(LLMRT_AVX512)
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -47,8 +48,9 @@ I16Rows quantize_rows_i16(const float* x, int64_t ldx, int64_t M, int64_t Kp) {
       const float* p = x + i * ldx + c * 32;
       __m256 v[4];
       for (int u = 0; u < 4; ++u) v[u] = _mm256_loadu_ps(p + 8 * u);
-      const float amax = hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
-                                             _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask))));
+      __m256 m = _mm256_and_ps(v[0], abs_mask);
+      for (int u = 1; u < 4; ++u) m = _mm256_max_ps(m, _mm256_and_ps(v[u], abs_mask));
+      const float amax = hmax8(m);
       const __m256 inv = _mm256_set1_ps(amax > 0 ? 32767.0f / amax : 0.0f);
       __m256i qi[4];
       for (int u = 0; u < 4; ++u) qi[u] = _mm256_cvtps_epi32(_mm256_mul_ps(v[u], inv));  // round to nearest even
@@ -59,8 +61,8 @@ I16Rows quantize_rows_i16(const float* x, int64_t ldx, int64_t M, int64_t Kp) {
       int32_t sum = 0;
       for (int k = 0; k < 32; ++k) sum += dst[k];
       r.sum4[at] = 4 * sum;
-      r.d[at] = amax / 32767.0f;
       const float X = vsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+      r.d[at] = std::isnan(X) ? X : amax / 32767.0f;  // a NaN input (max drops it) still makes the row NaN
       _mm256_storeu_ps(r.xp.data() + at * 8, _mm256_mul_ps(_mm256_set1_ps(X), pattern));
     }
   return r;
@@ -134,8 +136,9 @@ inline void i16_tile(const Src& src, const uint16_t* g, int64_t per_group, const
       src.row(c, j, lo, hi);
 #pragma GCC unroll 2
       for (int i = 0; i < mb; ++i) {
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)(xq[i] + c * 32))),
-                                             _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(xq[i] + c * 32 + 16))));
+        const __m256i* xc = (const __m256i*)(xq[i] + c * 32);
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(xc)),
+                                             _mm256_madd_epi16(hi, _mm256_loadu_si256(xc + 1)));
         if (j % 2 == 0) pair[i] = dot;
         else if (j == 1) h[i] = _mm256_hadd_epi32(pair[i], dot);
         else h[i] = _mm256_hadd_epi32(h[i], _mm256_hadd_epi32(pair[i], dot));  // r0 r1 r2 r3 | r0 r1 r2 r3
