@@ -103,10 +103,38 @@ void widen_i16(const Src& src, int64_t nb, int16_t* dst) {
     }
 }
 
-// out[i][j] = row m0 + i of x times row 4b + j of the block, for mb rows; int4: g, the block's (s, z) pairs per
-// group (int8: null).
-template <int mb, bool int4, typename Src>
-inline void i16_tile(const Src& src, const uint16_t* g, int64_t per_group, const I16Rows& x, int64_t m0,
+// A block's int4 group scales as the tiles use them: sz = s0 z0 s1 z1 .. s3 z3, s4 = s0 s1 s2 s3 s0 s1 s2 s3.
+struct PackedGroups {  // widened from the bf16 (s, z) pairs as each group starts
+  const uint16_t* g;
+  inline void next(__m256& sz, __m256& s4) {
+    sz = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)g)), 16));
+    s4 = _mm256_permutevar8x32_ps(sz, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+    g += 2 * NB;
+  }
+};
+struct WidenedGroups {  // read back from widen_groups (steps of 3+ rows: every row tile reads them)
+  const float* f;
+  inline void next(__m256& sz, __m256& s4) {
+    sz = _mm256_loadu_ps(f);
+    s4 = _mm256_loadu_ps(f + 8);
+    f += 16;
+  }
+};
+
+void widen_groups(const uint16_t* g, int64_t groups, float* dst) {
+  PackedGroups src{g};
+  for (int64_t i = 0; i < groups; ++i) {
+    __m256 sz, s4;
+    src.next(sz, s4);
+    _mm256_storeu_ps(dst + i * 16, sz);
+    _mm256_storeu_ps(dst + i * 16 + 8, s4);
+  }
+}
+
+// out[i][j] = row m0 + i of x times row 4b + j of the block, for mb rows; int4: the block's group scales (int8:
+// unused).
+template <int mb, bool int4, typename Src, typename Groups>
+inline void i16_tile(const Src& src, Groups groups, int64_t per_group, const I16Rows& x, int64_t m0,
                      float (*out)[NB]) {
   __m256 acc[mb], off[mb];
   const int16_t* xq[mb];  // this tile's rows, read at chunk c
@@ -119,14 +147,11 @@ inline void i16_tile(const Src& src, const uint16_t* g, int64_t per_group, const
     sum4[i] = x.sum4.data() + (m0 + i) * x.nb;
     xp[i] = x.xp.data() + (m0 + i) * x.nb * 8;
   }
-  const __m256i s_lanes = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
-  __m256 sz = _mm256_setzero_ps(), s4 = sz;  // s0 z0 s1 z1 .. and s0 s1 s2 s3 s0 s1 s2 s3 of the current group
+  __m256 sz = _mm256_setzero_ps(), s4 = sz;  // the current group's
   const int64_t nb = x.nb;
   for (int64_t c = 0, left = 0; c < nb; ++c, --left) {
     if (int4 && left == 0) {
-      sz = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)g)), 16));
-      s4 = _mm256_permutevar8x32_ps(sz, s_lanes);
-      g += 2 * NB;
+      groups.next(sz, s4);
       left = per_group;
     }
     __m256i h[mb], pair[mb];
@@ -179,7 +204,7 @@ at::Tensor linear_i16(const W* w, int64_t stride, const uint16_t* sz, int64_t gs
     float out[2][NB];
     for (int64_t b = b0; b < b1; ++b) {
       const Rows rows{w + b * stride};
-      const uint16_t* g = int4 ? sz + b * groups * NB * 2 : nullptr;
+      const PackedGroups g{int4 ? sz + b * groups * NB * 2 : nullptr};
       if (M <= 2) {
         if (M == 2) i16_tile<2, int4>(rows, g, per_group, x, 0, out);
         else i16_tile<1, int4>(rows, g, per_group, x, 0, out);
@@ -187,16 +212,22 @@ at::Tensor linear_i16(const W* w, int64_t stride, const uint16_t* sz, int64_t gs
         continue;
       }
       thread_local std::vector<int16_t> panel;
+      thread_local std::vector<float> scales;
       panel.resize(nb * NB * 32);
       widen_i16(rows, nb, panel.data());
       const PanelRows src{panel.data()};
+      if (int4) {
+        scales.resize(groups * 16);
+        widen_groups(g.g, groups, scales.data());
+      }
+      const WidenedGroups wg{scales.data()};
       int64_t m0 = 0;
       for (; m0 + 2 <= M; m0 += 2) {
-        i16_tile<2, int4>(src, g, per_group, x, m0, out);
+        i16_tile<2, int4>(src, wg, per_group, x, m0, out);
         c.sink.put(m0, 2, b, out);
       }
       if (m0 < M) {
-        i16_tile<1, int4>(src, g, per_group, x, m0, out);
+        i16_tile<1, int4>(src, wg, per_group, x, m0, out);
         c.sink.put(m0, 1, b, out);
       }
     }
