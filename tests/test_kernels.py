@@ -193,17 +193,18 @@ def test_int_kernels_with_int16_activations(isa, fmt, gs):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_non_finite_activations_reach_the_output(isa, fmt):
-    """A NaN or inf in a row's activations makes that row's outputs non-finite, as a float matmul would (the int16
-    rounding must not turn it into a finite number), and leaves the other rows alone."""
+@pytest.mark.parametrize("int8_act", [False, True])
+def test_non_finite_activations_reach_the_output(isa, fmt, int8_act):
+    """A NaN or inf in a row's activations makes that row's outputs non-finite, as a float matmul would (rounding
+    activations to int16 or int8 must not turn it into a finite number), and leaves the other rows alone."""
     lib = K.load(isa)
-    p, _ = _weights(lib, 37, 100, fmt)
+    p, _ = _weights(lib, 37, 100, fmt, int8_act=int8_act)
     for bad in (float("nan"), float("inf")):
         for rows in (1, 2, 5):
             x = torch.randn(rows, 100)
             x[0, 40] = bad
             y = p(x)
-            assert not torch.isfinite(y[0]).any() and torch.isfinite(y[1:]).all(), (isa, fmt, bad, rows)
+            assert not torch.isfinite(y[0]).any() and torch.isfinite(y[1:]).all(), (isa, fmt, int8_act, bad, rows)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -14,12 +14,12 @@
 // ones widen each weight block once into an int16 panel that every row tile reads.
 #pragma once
 #if !defined(LLMRT_AVX512)
-#include <cmath>
 #include <vector>
 
 namespace {
 
-// Activation rows per block of 32 inputs: q as int16 [M][Kp], d [M][nb], 4 sum(q) [M][nb], (0, X) x 4 [M][nb][8].
+// Activation rows per block of 32 inputs (round_block, qdot.h): q as int16 [M][Kp], d [M][nb]; int4: 4 sum(q)
+// [M][nb] and (0, X) x 4 [M][nb][8].
 struct I16Rows {
   std::vector<int16_t> q;
   std::vector<float> d, xp;
@@ -27,43 +27,31 @@ struct I16Rows {
   int64_t Kp = 0, nb = 0;
 };
 
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
+// int4 also needs 4 sum(q) and (0, X) x 4 per block (the centring and the zero point's term); int8 does not.
+template <bool int4>
 I16Rows quantize_rows_i16(const float* x, int64_t ldx, int64_t M, int64_t Kp) {
   I16Rows r;
   r.Kp = Kp;
   r.nb = Kp / 32;
   r.q.resize(M * Kp);
   r.d.resize(M * r.nb);
-  r.sum4.resize(M * r.nb);
-  r.xp.resize(M * r.nb * 8);
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  if (int4) {
+    r.sum4.resize(M * r.nb);
+    r.xp.resize(M * r.nb * 8);
+  }
   const __m256 pattern = _mm256_setr_ps(0, 1, 0, 1, 0, 1, 0, 1);
   for (int64_t i = 0; i < M; ++i)
     for (int64_t c = 0; c < r.nb; ++c) {
-      const float* p = x + i * ldx + c * 32;
-      __m256 v[4];
-      for (int u = 0; u < 4; ++u) v[u] = _mm256_loadu_ps(p + 8 * u);
-      __m256 m = _mm256_and_ps(v[0], abs_mask);
-      for (int u = 1; u < 4; ++u) m = _mm256_max_ps(m, _mm256_and_ps(v[u], abs_mask));
-      const float amax = hmax8(m);
-      const __m256 inv = _mm256_set1_ps(amax > 0 ? 32767.0f / amax : 0.0f);
-      __m256i qi[4];
-      for (int u = 0; u < 4; ++u) qi[u] = _mm256_cvtps_epi32(_mm256_mul_ps(v[u], inv));  // round to nearest even
+      const RoundedBlock b = round_block(x + i * ldx + c * 32, 32767.0f);
       int16_t* dst = r.q.data() + i * Kp + c * 32;  // packs interleaves 128-bit lanes: the permute restores k order
-      _mm256_storeu_si256((__m256i*)dst, _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8));
-      _mm256_storeu_si256((__m256i*)(dst + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8));
+      _mm256_storeu_si256((__m256i*)dst, _mm256_permute4x64_epi64(_mm256_packs_epi32(b.q[0], b.q[1]), 0xD8));
+      _mm256_storeu_si256((__m256i*)(dst + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(b.q[2], b.q[3]), 0xD8));
       const int64_t at = i * r.nb + c;
-      int32_t sum = 0;
-      for (int k = 0; k < 32; ++k) sum += dst[k];
-      r.sum4[at] = 4 * sum;
-      const float X = vsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-      r.d[at] = std::isnan(X) ? X : amax / 32767.0f;  // a NaN input (max drops it) still makes the row NaN
-      _mm256_storeu_ps(r.xp.data() + at * 8, _mm256_mul_ps(_mm256_set1_ps(X), pattern));
+      r.d[at] = b.d;
+      if (int4) {
+        r.sum4[at] = 4 * b.qsum;
+        _mm256_storeu_ps(r.xp.data() + at * 8, _mm256_mul_ps(_mm256_set1_ps(b.xsum), pattern));
+      }
     }
   return r;
 }
@@ -198,7 +186,7 @@ template <bool int4, typename Rows, typename W>
 at::Tensor linear_i16(const W* w, int64_t stride, const uint16_t* sz, int64_t gs, int64_t block_bytes, const Call& c,
                       int64_t M) {
   if (M == 0) return c.y;
-  const I16Rows x = quantize_rows_i16(c.a.p, c.a.ld, M, c.Kp);
+  const I16Rows x = quantize_rows_i16<int4>(c.a.p, c.a.ld, M, c.Kp);
   const int64_t nb = c.Kp / 32, groups = int4 ? c.Kp / gs : 0, per_group = int4 ? gs / 32 : 0;
   at::parallel_for(0, c.blocks, block_grain(block_bytes), [&](int64_t b0, int64_t b1) {
     float out[2][NB];

@@ -5,6 +5,7 @@
 // is at most 127 or 15 in magnitude). Widening the weights to fp32 (linear.cpp's float path) costs 3+ ops per
 // 16 weights and made the int8/int4 GEMVs compute-bound; this reads them as they are stored.
 #pragma once
+#include <cmath>
 #include "simd.h"
 
 namespace llmrt_simd {
@@ -54,7 +55,7 @@ inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& qsum, f
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   xsum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-  d = amax / 127.0f;
+  d = std::isnan(xsum) ? xsum : amax / 127.0f;  // max drops NaN: the sum keeps a NaN input's row NaN
   const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
   const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
   _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(qa));
@@ -90,7 +91,14 @@ inline void int4_scales(const uint16_t* g, vf* s, vf* b) {  // two vectors of 2 
     b[v] = _mm256_blend_ps(_mm256_setzero_ps(), _mm256_fnmadd_ps(eight, s[v], z), 0x11);
   }
 }
-inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& qsum, float& xsum) {
+// One block of 32 activations rounded to integers of at most `levels` (127: int8, 32767: int16; to nearest even):
+// the integers (4 x 8 int32, in order), their sum, the scale d = max|x| / levels and the block's float sum.
+struct RoundedBlock {
+  __m256i q[4];
+  int32_t qsum;
+  float d, xsum;
+};
+inline RoundedBlock round_block(const float* x, float levels) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4], m = _mm256_setzero_ps(), s = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -102,18 +110,25 @@ inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& qsum, f
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   const float amax = _mm_cvtss_f32(m4);
-  xsum = vsum(s);
-  d = amax / 127.0f;
-  const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-  __m256i qi[4];
-  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
-  const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  RoundedBlock r;
+  r.xsum = vsum(s);
+  r.d = std::isnan(r.xsum) ? r.xsum : amax / levels;  // max drops NaN: the sum keeps a NaN input's row NaN
+  const __m256 id = _mm256_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
+  for (int i = 0; i < 4; ++i) r.q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+  const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(r.q[0], r.q[1]), _mm256_add_epi32(r.q[2], r.q[3]));
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-  qsum = _mm_cvtsi128_si32(t);
+  r.qsum = _mm_cvtsi128_si32(t);
+  return r;
+}
+inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& qsum, float& xsum) {
+  const RoundedBlock r = round_block(x, 127.0f);
+  d = r.d;
+  qsum = r.qsum;
+  xsum = r.xsum;
   // packs work per 128-bit lane: the 8 dwords come out in order 0 4 1 5 2 6 3 7
-  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r.q[0], r.q[1]), _mm256_packs_epi32(r.q[2], r.q[3]));
   _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 #endif

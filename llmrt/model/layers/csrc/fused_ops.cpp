@@ -66,7 +66,8 @@ inline vf vround_to(vf v, const uint16_t*) {
 }
 
 // Rows per parallel task: about 64K elements (~15-30 us of work). A decode step of up to 64 sequences of the
-// 124.7M model (norms 64 x 768, rotary 64 x 16 heads x 64, SiLU 16 x 2 x 2048) then stays on the calling thread:
+// 124.7M model (norms 64 x 768, rotary 64 x 16 heads x 64; fp32 SiLU up to 16 x 2 x 2048, while bf16 SiLU takes
+// every size and splits from 32 rows) then stays on the calling thread:
 // a parallel region costs more than such work on an idle machine, and on a loaded one each region can wait
 // milliseconds for a descheduled OpenMP thread (docs/performance.md). With 256K (before 2026-12-06) a 256-token
 // prefill's norms ran on one thread: 106 us for add_rms_norm_ at 256 x 768 against 111 us at 512 rows on two.
