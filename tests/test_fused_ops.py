@@ -91,6 +91,48 @@ def test_silu_mul_matches_torch(isa, dtype, rows):
     torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torch_argmax_with_ties_nan_and_infinities(isa, dtype):
+    """Every row's index equals torch.argmax's: first of tied maxima, the first NaN, -inf rows, signed zeros."""
+    ops = _ops(isa)
+    g = torch.Generator().manual_seed(7)
+    for vocab in (1, 7, 8, 9, 33, 1000, 32000):
+        x = torch.randn(12, vocab, generator=g)
+        x[1] = torch.randint(-2, 2, (vocab,), generator=g).float()  # many ties
+        x[2] = float("-inf")
+        x[3, vocab // 2:] = float("nan")  # a NaN after the maximum
+        x[4, -1] = float("inf")
+        x[4, vocab // 3] = float("inf")  # the first of two +inf
+        x[5] = torch.where(torch.rand(vocab, generator=g) < 0.5, 0.0, -0.0)
+        x[6, ::3] = float("nan")
+        x[7, -1] = x[7].max() + 1  # the maximum in the tail past the last full register
+        x[8, 0] = float("nan")
+        x[9] = x[9].max()  # all equal
+        x[10, vocab - 1] = float("nan")
+        x[10, 0] = float("inf")
+        x = x.to(dtype)
+        for t in (x, torch.cat([x, x], 1)[:, 1:vocab + 1]):  # contiguous rows, then rows apart by 2 * vocab
+            assert torch.equal(ops.argmax(t), torch.argmax(t, -1)), (vocab, t)
+    assert ops.argmax(torch.randn(0, 5).to(dtype)).shape == (0,)
+
+
+def test_sampler_argmax_takes_the_kernel_and_falls_back(monkeypatch):
+    from llmrt.model.layers import sampler
+    logits = torch.randn(3, 100)
+    assert torch.equal(sampler._argmax(logits), logits.argmax(-1))
+    calls = []
+    ops = fused.fused_ops()
+    if ops is not None:
+        monkeypatch.setattr(sampler, "ops_for", lambda x, on: type("O", (), {"argmax": lambda self, t: calls.append(t)
+                                                                             or ops.argmax(t)})())
+        sampler._argmax(logits)
+        assert len(calls) == 1
+    # a column slice (last stride not 1) goes to torch
+    t = torch.randn(4, 10)[:, ::2]
+    assert torch.equal(sampler._argmax(t), t.argmax(-1))
+
+
 def test_layers_take_the_torch_path_when_told_or_off_cpu(monkeypatch):
     calls = []
     act = GatedActivation("silu")

@@ -1,4 +1,5 @@
-"""Fused CPU layer ops (csrc/fused_ops.cpp): residual-add + RMSNorm, rotary in place on q/k, SiLU-and-mul.
+"""Fused CPU layer ops (csrc/fused_ops.cpp): residual-add + RMSNorm, rotary in place on q/k, SiLU-and-mul, and the
+greedy sampler's argmax.
 
 A decode step of a small model spends as long in the small ops around the GEMMs (a norm is six torch ops and
 their temporaries) as in the GEMMs' memory traffic; these kernels do each in one pass. The source is compiled once
@@ -37,6 +38,7 @@ class FusedOps:
     add_rms_norm_: Callable[..., None]  # (x, residual, weight, eps): residual += x; x = norm(residual)
     rotary_: Callable[..., None]  # (q, k, positions, cos, sin): in place
     silu_mul: Callable[..., torch.Tensor]  # (gate_up [rows, 2I]) -> [rows, I]
+    argmax: Callable[..., torch.Tensor]  # (logits [rows, vocab]) -> int64 [rows], as torch.argmax(logits, -1)
 
 
 def _cflags(isa: str) -> list[str]:
@@ -57,7 +59,7 @@ def load(isa: str) -> FusedOps:
     logger.info("fused layer ops (%s) %s in %.2f s: %s", isa, "loaded from cache" if b.how == "cached"
                 else "compiled", b.seconds, b.path)
     return FusedOps(isa, b.path, ns.rms_norm.default, ns.add_rms_norm_.default, ns.rotary_.default,
-                    ns.silu_mul.default)
+                    ns.silu_mul.default, ns.argmax.default)
 
 
 @functools.lru_cache(maxsize=None)
