@@ -230,12 +230,14 @@ def test_decode_write_is_the_write_then_the_decode():
     assert torch.equal(got, want) and torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
 
 
-@pytest.mark.parametrize("dim", [64, 24], ids=["vector", "scalar_tail"])
+@pytest.mark.parametrize("dim", [64, 128, 24], ids=["vector", "vector128", "scalar_tail"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_kernel_against_float64_softmax_attention(dim, kv_dtype):
-    # Head dims that are and are not a multiple of the vector width, contexts longer than a vector of scores.
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (8, 1), (12, 2)], ids=["g2", "g3", "g8", "g6"])
+def test_kernel_against_float64_softmax_attention(dim, kv_dtype, heads, kv_heads):
+    # Head dims that are and are not a multiple of the vector width, contexts longer than a vector of scores; GQA
+    # groups whose V-pass accumulators fit the registers whole (g2 at dim 64) or a column chunk at a time.
     g = torch.Generator().manual_seed(11)
-    heads, kv_heads, bs = 4, 2, 16
+    bs = 16
     lens = torch.tensor([1, 37, 130])
     tables = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17],
                            [18, 19, 20, 21, 22, 23, 24, 25, 26]])

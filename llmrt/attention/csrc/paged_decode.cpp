@@ -196,46 +196,57 @@ bool k_pass_bf16dot(const Q* qin, const KV* k_cache, const KV* v_cache, const in
   return false;
 }
 
-// The V pass with a KV head's G query heads accumulating in registers (G x NC vectors) over L tokens at a time
-// (one block's rows, re-read from L1 for each KV head), instead of a load and a store of every accumulator for
-// every token. Each accumulator sees the same FMAs in the same order as the token-major loop: the same bits.
-template <int NC, int G, typename KV>
+// The V pass with a KV head's G query heads accumulating in registers (G x CC vectors: CC of the head's NC
+// columns at a time, so that the accumulators and a V row's CC vectors fit AVX2's 16 registers) over L tokens at a
+// time (one block's rows, re-read from L1 for each KV head and column chunk), instead of a load and a store of every
+// accumulator for every token. Each accumulator sees the same FMAs in the same order as the token-major loop: the
+// same bits.
+template <int NC, int G, int CC, typename KV>
 void v_pass(const KV* v_cache, const int64_t* offs, int64_t n, int64_t per, const float* scores, int64_t np,
             vf* acc) {
   constexpr int64_t dim = NC * L;
   for (int64_t t0 = 0; t0 < n; t0 += L) {
     const int64_t m = std::min<int64_t>(L, n - t0);
     for (int64_t hh = 0; hh < per; ++hh) {
-      vf a[G][NC];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < NC; ++c) a[g][c] = acc[(hh * G + g) * NC + c];
       const float* p = scores + hh * G * np + t0;
-      for (int64_t i = 0; i < m; ++i) {
-        const KV* vrow = v_cache + offs[t0 + i] + hh * dim;
-        vf vv[NC];
-        for (int c = 0; c < NC; ++c) vv[c] = vload(vrow + c * L);
-        for (int g = 0; g < G; ++g) {
-          const float pg = p[g * np + i];
-          for (int c = 0; c < NC; ++c) a[g][c] += pg * vv[c];
+      for (int c0 = 0; c0 < NC; c0 += CC) {
+        vf a[G][CC];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < CC; ++c) a[g][c] = acc[(hh * G + g) * NC + c0 + c];
+        for (int64_t i = 0; i < m; ++i) {
+          const KV* vrow = v_cache + offs[t0 + i] + hh * dim + c0 * L;
+          vf vv[CC];
+          for (int c = 0; c < CC; ++c) vv[c] = vload(vrow + c * L);
+          for (int g = 0; g < G; ++g) {
+            const float pg = p[g * np + i];
+            for (int c = 0; c < CC; ++c) a[g][c] += pg * vv[c];
+          }
         }
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < CC; ++c) acc[(hh * G + g) * NC + c0 + c] = a[g][c];
       }
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < NC; ++c) acc[(hh * G + g) * NC + c] = a[g][c];
     }
   }
 }
 
-// v_pass for the group sizes whose accumulators fit the registers (G x NC <= 16); false: the caller's loop.
+// The widest column chunk (a power of two dividing NC) whose G x CC accumulators and CC row vectors fit 16 registers
+// (all NC where G x NC <= 16, as before the chunking).
+template <int NC, int G>
+constexpr int v_chunk() {
+  if (G * NC <= 16) return NC;
+  int cc = NC;
+  while (cc > 1 && G * cc + cc > 16) cc /= 2;
+  return cc;
+}
+
+// v_pass for the group sizes it is instantiated for; false: the caller's loop.
 template <int NC, typename KV>
 bool v_pass_grouped(int64_t group, const KV* v_cache, const int64_t* offs, int64_t n, int64_t per,
                     const float* scores, int64_t np, vf* acc) {
-#define LLMRT_VG(g)                                                         \
-  case g:                                                                   \
-    if constexpr (g * NC <= 16) {                                           \
-      v_pass<NC, g, KV>(v_cache, offs, n, per, scores, np, acc);            \
-      return true;                                                          \
-    }                                                                       \
-    return false;
+#define LLMRT_VG(g)                                                                 \
+  case g:                                                                           \
+    v_pass<NC, g, v_chunk<NC, g>(), KV>(v_cache, offs, n, per, scores, np, acc);    \
+    return true;
   switch (group) {
     LLMRT_VG(1)
     LLMRT_VG(2)
@@ -278,9 +289,9 @@ void decode_vec(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64
       scores.resize(nh * np);
       offs.resize(n);
       const int64_t* table = tables + s * table_width;
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        offs[t] = (table[pos / block_size] * block_size + pos % block_size) * row + h0 * dim;
+      for (int64_t t = 0, blk = first / block_size, in = first % block_size; t < n; ++t) {  // no division a token
+        offs[t] = (table[blk] * block_size + in) * row + h0 * dim;
+        if (++in == block_size) in = 0, ++blk;
       }
       const Q* qin = q_in + s * q_stride + h0 * group * dim;
       for (int64_t j = 0; j < nh; ++j) {
