@@ -36,13 +36,20 @@ template <typename WT>
 struct Dense {
   static constexpr int KC = sizeof(WT) == 4 ? 16 : 32;
   static constexpr int CV = KC / VL;
+  // bf16 on AVX2: each 16 weights widen as even k then odd k (simd.h), and the activations come in that order
+  static constexpr bool kPairs = PAIR_ORDER && std::is_same_v<WT, uint16_t>;
   const WT* w;  // packed [Np/4][Kp/KC][4][KC]
   int64_t Kp;
   // Walks one block chunk by chunk: row(j) widens row j's part of the current chunk, next() moves on.
   struct Cursor {
     const WT* p;
     inline void row(int j, vf* wv) const {
-      for (int v = 0; v < CV; ++v) wv[v] = wload(p + j * KC + v * VL);
+      if constexpr (kPairs) {
+        for (int v = 0; v < CV; v += 2) wload_pairs(reinterpret_cast<const uint16_t*>(p + j * KC + v * VL), wv[v],
+                                                     wv[v + 1]);
+      } else {
+        for (int v = 0; v < CV; ++v) wv[v] = wload(p + j * KC + v * VL);
+      }
     }
     inline void start() {}
     inline void next() { p += NB * KC; }
@@ -55,6 +62,7 @@ struct Dense {
 struct Int4 {
   static constexpr int KC = 32;
   static constexpr int CV = KC / VL;
+  static constexpr bool kPairs = false;
   const uint8_t* w;
   const uint16_t* sz;
   int64_t Kp, gs;
@@ -226,6 +234,39 @@ Activations activations(const at::Tensor& x, int64_t Kp) {
   return {xf, xf.data_ptr<float>(), Kp};
 }
 
+// x as float32 [rows, Kp] with each 16 inputs in pair order (the even k, then the odd k; zero past K), for weights
+// that widen in that order (Dense::kPairs).
+Activations activations_pairs(const at::Tensor& x_in, int64_t Kp) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu() &&
+                  (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "llmrt kernels: x must be 2-D float32 or bfloat16 CPU [rows, in_features], got ", x_in.sizes());
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0);
+  at::Tensor xf = at::empty({M, Kp}, x.options().dtype(at::kFloat));
+  float* dst = xf.data_ptr<float>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const uint16_t* xb = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+  const float* xs = bf16 ? nullptr : x.data_ptr<float>();
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t g = 0; g < Kp; g += 16) {
+      float* d = dst + i * Kp + g;
+      if constexpr (PAIR_ORDER) {
+        if (bf16 && g + 16 <= K) {  // the weights' own widening (simd.h)
+          vf even, odd;
+          wload_pairs(xb + i * ld + g, even, odd);
+          vstore(d, even);
+          vstore(d + 8, odd);
+          continue;
+        }
+      }
+      for (int e = 0; e < 16; ++e) {
+        const int64_t k = g + 2 * (e % 8) + e / 8;
+        d[e] = k >= K ? 0.f : bf16 ? to_f(xb[i * ld + k]) : xs[i * ld + k];
+      }
+    }
+  return {xf, dst, Kp};
+}
+
 // Where y [M, n] (float32 or bfloat16) and the bias go: the bias float32 [n], converted once at load (packed.py).
 Sink sink_for(const at::Tensor& y, const c10::optional<at::Tensor>& bias) {
   Sink sink;
@@ -268,6 +309,9 @@ at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& wp, int64_t n, co
   TORCH_CHECK(wp.scalar_type() == wtype, "llmrt kernels: packed weights must be ", what);
   Call c = prepare_call(x, wp, 1, Dense<WT>::KC, n, bias, what);
   c.sink.scale = scale;
+  if constexpr (Dense<WT>::kPairs) {
+    c.a = activations_pairs(x, c.Kp);
+  }
   Dense<WT> l{reinterpret_cast<const WT*>(wp.data_ptr()), c.Kp};
   for_all_blocks(l, x.size(0), c.blocks, NB * c.Kp * int64_t(sizeof(WT)), c.a.p, c.a.ld, c.sink);
   return c.y;
@@ -350,12 +394,16 @@ void unpack_blocks(const L& l, int64_t blocks, const float* scale, at::Tensor ou
         for (int64_t k0 = 0; k0 < K; k0 += L::KC) {  // one chunk: KC contiguous values of row n
           const float* src = panel.data() + k0 * NB + j * L::KC;
           const int64_t len = std::min<int64_t>(L::KC, K - k0);
+          auto at = [&](int64_t t) {  // the panel's value for input k0 + t
+            if constexpr (L::kPairs) return src[t / 16 * 16 + t % 2 * 8 + t % 16 / 2];
+            else return src[t];
+          };
           if (f32) {
             float* dst = of + n * K + k0;
-            for (int64_t t = 0; t < len; ++t) dst[t] = src[t] * s;
+            for (int64_t t = 0; t < len; ++t) dst[t] = at(t) * s;
           } else {
             c10::BFloat16* dst = ob + n * K + k0;
-            for (int64_t t = 0; t < len; ++t) dst[t] = c10::BFloat16(src[t] * s);
+            for (int64_t t = 0; t < len; ++t) dst[t] = c10::BFloat16(at(t) * s);
           }
         }
       }

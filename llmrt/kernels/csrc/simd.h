@@ -39,6 +39,8 @@ inline void dq_chunk(const uint8_t* p, vf, vf, vf table, vf* out) {
   out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
 }
 constexpr int MB = 4;  // activation rows per tile (32 zmm registers: 16 accumulators)
+constexpr bool PAIR_ORDER = false;  // bf16 weights widen in k order (one shift of a widening load)
+inline void wload_pairs(const uint16_t*, vf&, vf&) {}
 #else
 constexpr int VL = 8;
 using vf = __m256;
@@ -73,6 +75,16 @@ inline void dq_chunk(const uint8_t* p, vf s, vf b, vf, vf* out) {
   for (int c = 0; c < 4; ++c) out[c] = _mm256_fmadd_ps(out[c], s, b);
 }
 constexpr int MB = 2;  // 16 ymm registers: 8 accumulators, 4 weight vectors, 1 activation
+// bf16 weights widen 16 at a time as their even k (lane i: k = 2i) and their odd k: a shift and a mask of one
+// 256-bit load, where wload's widening load is a cross-lane shuffle (the port the 1-row kernel waited on). The
+// activations are laid out to match (activations_pairs in linear.cpp); the products and their order per lane
+// are the same for every row count, so results stay independent of the batch.
+constexpr bool PAIR_ORDER = true;
+inline void wload_pairs(const uint16_t* p, vf& even, vf& odd) {
+  const __m256i w = _mm256_loadu_si256((const __m256i*)p);
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
 #endif
 constexpr int NB = 4;  // weight rows per tile
 
