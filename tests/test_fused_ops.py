@@ -121,13 +121,17 @@ def test_sampler_argmax_takes_the_kernel_and_falls_back(monkeypatch):
     from llmrt.model.layers import sampler
     logits = torch.randn(3, 100)
     assert torch.equal(sampler._argmax(logits), logits.argmax(-1))
-    calls = []
     ops = fused.fused_ops()
     if ops is not None:
-        monkeypatch.setattr(sampler, "ops_for", lambda x, on: type("O", (), {"argmax": lambda self, t: calls.append(t)
-                                                                             or ops.argmax(t)})())
-        sampler._argmax(logits)
-        assert len(calls) == 1
+        calls = []
+
+        class Counting:
+            def argmax(self, t):
+                calls.append(t)
+                return ops.argmax(t)
+
+        monkeypatch.setattr(sampler, "ops_for", lambda x, on: Counting())
+        assert torch.equal(sampler._argmax(logits), logits.argmax(-1)) and len(calls) == 1
     # a column slice (last stride not 1) goes to torch
     t = torch.randn(4, 10)[:, ::2]
     assert torch.equal(sampler._argmax(t), t.argmax(-1))

@@ -214,43 +214,35 @@ void for_all_blocks(const L& l, int64_t M, int64_t blocks, int64_t block_bytes, 
   });
 }
 
-// x as contiguous fp32 [M, Kp] (zero-padded past K); a view of x itself where no copy is needed.
+// x as contiguous fp32 [M, Kp] (zero-padded past K); a view of x itself where no copy is needed. `pairs`: each 16
+// inputs in the order Dense::kPairs weights widen to (AVX2 bf16), always a copy.
 struct Activations {
   at::Tensor keep;
   const float* p;
   int64_t ld;
 };
 
-Activations activations(const at::Tensor& x, int64_t Kp) {
+Activations activations(const at::Tensor& x, int64_t Kp, bool pairs) {
   TORCH_CHECK(x.dim() == 2, "llmrt kernels: x must be 2-D [rows, in_features], got ", x.sizes());
   TORCH_CHECK(x.device().is_cpu(), "llmrt kernels: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "llmrt kernels: x must be float32 or bfloat16, got ", x.scalar_type());
   const int64_t K = x.size(1);
-  if (x.scalar_type() == at::kFloat && x.stride(1) == 1 && Kp == K) return {x, x.data_ptr<float>(), x.stride(0)};
+  if (!pairs && x.scalar_type() == at::kFloat && x.stride(1) == 1 && Kp == K) {
+    return {x, x.data_ptr<float>(), x.stride(0)};
+  }
   at::Tensor xf = at::empty({x.size(0), Kp}, x.options().dtype(at::kFloat));
-  if (Kp > K) xf.narrow(1, K, Kp - K).zero_();
-  xf.narrow(1, 0, K).copy_(x);
-  return {xf, xf.data_ptr<float>(), Kp};
-}
-
-// x as float32 [rows, Kp] with each 16 inputs in pair order (the even k, then the odd k; zero past K), for weights
-// that widen in that order (Dense::kPairs).
-Activations activations_pairs(const at::Tensor& x_in, int64_t Kp) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu() &&
-                  (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
-              "llmrt kernels: x must be 2-D float32 or bfloat16 CPU [rows, in_features], got ", x_in.sizes());
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0);
-  at::Tensor xf = at::empty({M, Kp}, x.options().dtype(at::kFloat));
-  float* dst = xf.data_ptr<float>();
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const uint16_t* xb = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
-  const float* xs = bf16 ? nullptr : x.data_ptr<float>();
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t g = 0; g < Kp; g += 16) {
-      float* d = dst + i * Kp + g;
-      if constexpr (PAIR_ORDER) {
+#if !defined(LLMRT_AVX512)
+  if (pairs) {  // each 16 inputs as the even k, then the odd k (zero past K): Dense::kPairs weights' order
+    const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+    const int64_t M = xc.size(0), ld = xc.stride(0);
+    float* dst = xf.data_ptr<float>();
+    const bool bf16 = xc.scalar_type() == at::kBFloat16;
+    const uint16_t* xb = bf16 ? reinterpret_cast<const uint16_t*>(xc.data_ptr()) : nullptr;
+    const float* xs = bf16 ? nullptr : xc.data_ptr<float>();
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t g = 0; g < Kp; g += 16) {
+        float* d = dst + i * Kp + g;
         if (bf16 && g + 16 <= K) {  // the weights' own widening (simd.h)
           vf even, odd;
           wload_pairs(xb + i * ld + g, even, odd);
@@ -258,13 +250,17 @@ Activations activations_pairs(const at::Tensor& x_in, int64_t Kp) {
           vstore(d + 8, odd);
           continue;
         }
+        for (int e = 0; e < 16; ++e) {
+          const int64_t k = g + 2 * (e % 8) + e / 8;
+          d[e] = k >= K ? 0.f : bf16 ? to_f(xb[i * ld + k]) : xs[i * ld + k];
+        }
       }
-      for (int e = 0; e < 16; ++e) {
-        const int64_t k = g + 2 * (e % 8) + e / 8;
-        d[e] = k >= K ? 0.f : bf16 ? to_f(xb[i * ld + k]) : xs[i * ld + k];
-      }
-    }
-  return {xf, dst, Kp};
+    return {xf, dst, Kp};
+  }
+#endif
+  if (Kp > K) xf.narrow(1, K, Kp - K).zero_();
+  xf.narrow(1, 0, K).copy_(x);
+  return {xf, xf.data_ptr<float>(), Kp};
 }
 
 // Where y [M, n] (float32 or bfloat16) and the bias go: the bias float32 [n], converted once at load (packed.py).
@@ -291,14 +287,14 @@ struct Call {
 };
 
 Call prepare_call(const at::Tensor& x, const at::Tensor& wp, int64_t elems_per_row_unit, int64_t kc, int64_t n,
-                  const c10::optional<at::Tensor>& bias, const char* what) {
+                  const c10::optional<at::Tensor>& bias, const char* what, bool pairs = false) {
   TORCH_CHECK(wp.dim() == 2 && wp.is_contiguous(), "llmrt kernels: ", what, " must be a contiguous packed matrix");
   const int64_t blocks = wp.size(0), Kp = wp.size(1) * elems_per_row_unit / NB;
   TORCH_CHECK(n > 0 && (n + NB - 1) / NB == blocks && Kp % kc == 0, "llmrt kernels: packed ", what, " ",
               wp.sizes(), " does not hold ", n, " rows");
   TORCH_CHECK(x.dim() == 2 && x.size(1) <= Kp && x.size(1) > Kp - kc, "llmrt kernels: x ", x.sizes(),
               " does not match in_features padded to ", Kp);
-  Call c{activations(x, Kp), at::empty({x.size(0), n}, x.options()), {}, blocks, Kp};
+  Call c{activations(x, Kp, pairs), at::empty({x.size(0), n}, x.options()), {}, blocks, Kp};
   c.sink = sink_for(c.y, bias);
   return c;
 }
@@ -307,11 +303,8 @@ template <typename WT>
 at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& wp, int64_t n, const c10::optional<at::Tensor>& bias,
                         at::ScalarType wtype, const float* scale, const char* what) {
   TORCH_CHECK(wp.scalar_type() == wtype, "llmrt kernels: packed weights must be ", what);
-  Call c = prepare_call(x, wp, 1, Dense<WT>::KC, n, bias, what);
+  Call c = prepare_call(x, wp, 1, Dense<WT>::KC, n, bias, what, Dense<WT>::kPairs);
   c.sink.scale = scale;
-  if constexpr (Dense<WT>::kPairs) {
-    c.a = activations_pairs(x, c.Kp);
-  }
   Dense<WT> l{reinterpret_cast<const WT*>(wp.data_ptr()), c.Kp};
   for_all_blocks(l, x.size(0), c.blocks, NB * c.Kp * int64_t(sizeof(WT)), c.a.p, c.a.ld, c.sink);
   return c.y;

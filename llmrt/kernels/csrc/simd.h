@@ -40,7 +40,7 @@ inline void dq_chunk(const uint8_t* p, vf, vf, vf table, vf* out) {
 }
 constexpr int MB = 4;  // activation rows per tile (32 zmm registers: 16 accumulators)
 constexpr bool PAIR_ORDER = false;  // bf16 weights widen in k order (one shift of a widening load)
-inline void wload_pairs(const uint16_t*, vf&, vf&) {}
+void wload_pairs(const uint16_t*, vf&, vf&);  // AVX2 only: declared for Dense's discarded branch, never defined
 #else
 constexpr int VL = 8;
 using vf = __m256;
@@ -77,8 +77,9 @@ inline void dq_chunk(const uint8_t* p, vf s, vf b, vf, vf* out) {
 constexpr int MB = 2;  // 16 ymm registers: 8 accumulators, 4 weight vectors, 1 activation
 // bf16 weights widen 16 at a time as their even k (lane i: k = 2i) and their odd k: a shift and a mask of one
 // 256-bit load, where wload's widening load is a cross-lane shuffle per 8 weights (64-row steps 0.76x the time,
-// 1 row 0.97x: docs/performance.md). The activations are laid out to match (activations_pairs in linear.cpp); the products and their order per lane
-// are the same for every row count, so results stay independent of the batch.
+// 1 row 0.97x: docs/performance.md). The activations are laid out to match (`activations(x, Kp, pairs)` in
+// linear.cpp); the products and their order per lane are the same for every row count, so results stay independent
+// of the batch.
 constexpr bool PAIR_ORDER = true;
 inline void wload_pairs(const uint16_t* p, vf& even, vf& odd) {
   const __m256i w = _mm256_loadu_si256((const __m256i*)p);
