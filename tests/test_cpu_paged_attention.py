@@ -189,6 +189,11 @@ def test_decode_only_steps_get_the_same_positions_and_slots_as_in_a_mixed_step()
     assert torch.equal(one.slot_mapping, both.slot_mapping[:4])
     assert one.slot_mapping.tolist() == [2 * bs + 1, 5 * bs + 0, 1 * bs + 3, 0 * bs + 3]
     assert torch.equal(one.block_tables, both.block_tables[:4, :4])
+    # the decode path's arrays are views of one tensor: each must still be its own array
+    assert one.query_start_loc.tolist() == [0, 1, 2, 3, 4] and one.seq_lens.tolist() == lens
+    assert one.block_tables.shape == (4, 4) and one.block_tables[2].tolist() == [9, 3, 11, 1]
+    assert all(t.dtype == torch.long and t.is_contiguous() for t in
+               (one.query_start_loc, one.seq_lens, one.block_tables, one.slot_mapping))
 
 
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=["src_f32", "src_bf16"])

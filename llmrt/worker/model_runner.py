@@ -129,7 +129,7 @@ class ModelRunner:
         batch = self._prepare(out)
         if self.step_listener is not None:
             self.step_listener(batch.inp)
-        logits = self.forward(batch.inp, observe=True)
+        logits = self._forward(batch.inp, observe=True)
         prompt_logprobs: dict[int, list[dict[int, float]]] = {}
         row = batch.num_sample_rows
         for item, _, rows in batch.prompt_spans:
@@ -195,6 +195,10 @@ class ModelRunner:
         and on every rank but 0 when the model is split). Every rank runs this with the same `inp`; `observe` shows
         the step to the proposer (a draft model keeps its KV in step). Pipeline parallel: micro-batched through
         the stages (pipeline_step.py)."""
+        return self._forward(inp, observe)
+
+    def _forward(self, inp: StepInput, observe: bool = False) -> Optional[torch.Tensor]:
+        # forward's body, for callers already in inference mode (execute: one mode entry a step, not two)
         if self.pipe is not None:
             return pipelined_forward(self, inp)
         dev = self.device

@@ -141,10 +141,14 @@ class Worker:
             self.move_blocks(moves)
         self.model_runner.forward(inp)
 
-    @torch.inference_mode()
     def move_blocks(self, step: "SchedulerOutput | BlockMoves") -> None:
         """Swap-outs, then copy-on-write copies, then swap-ins: a block freed by a swap-out may be the
         destination of a copy or a swap-in in the same step."""
+        if step.swap_out or step.block_copies or step.swap_in:  # most steps move nothing: skip inference mode
+            self._move_blocks(step)
+
+    @torch.inference_mode()
+    def _move_blocks(self, step: "SchedulerOutput | BlockMoves") -> None:
         if step.swap_out:
             dev = torch.tensor([d for d, _ in step.swap_out], device=self.device)
             host = torch.tensor([h for _, h in step.swap_out])
