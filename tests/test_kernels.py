@@ -220,8 +220,10 @@ def test_a_rows_result_does_not_depend_on_the_batch(isa):
         for xs in (x, x.bfloat16()):  # int4 with bf16 activations: the vdpbf16ps kernel where the CPU has it
             full = p(xs)
             ones = torch.cat([p(xs[i:i + 1]) for i in range(64)])
+            twos = torch.cat([p(xs[i:i + 2]) for i in range(0, 64, 2)])
             threes = torch.cat([p(xs[i:i + 3]) for i in range(0, 64, 3)])
-            assert torch.equal(full, ones) and torch.equal(full, threes), (isa, fmt, int8_act, xs.dtype)
+            assert torch.equal(full, ones) and torch.equal(full, twos) and torch.equal(full, threes), \
+                (isa, fmt, int8_act, xs.dtype)
 
 
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")

@@ -351,7 +351,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& wp, const at::Tens
   TORCH_CHECK(wp.scalar_type() == at::kChar, "llmrt kernels: packed weights must be int8");
   Call c = prepare_call(x, wp, 1, 32, n, bias, "int8");
   c.sink.scale = scale.data_ptr<float>();
-  return linear_i16<false, Int8Rows>(wp.data_ptr<int8_t>(), NB * c.Kp, nullptr, 0, NB * c.Kp, c, x.size(0));
+  return linear_i16<false>(wp.data_ptr<int8_t>(), NB * c.Kp, nullptr, 0, NB * c.Kp, c, x.size(0));
 #endif
 }
 
@@ -364,7 +364,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& wp, const at::Tens
   for_all_blocks(l, x.size(0), c.blocks, block_bytes, c.a.p, c.a.ld, c.sink);
   return c.y;
 #else
-  return linear_i16<true, NibbleRows>(l.w, NB * c.Kp / 2, l.sz, group_size, block_bytes, c, x.size(0));
+  return linear_i16<true>(l.w, NB * c.Kp / 2, l.sz, group_size, block_bytes, c, x.size(0));
 #endif
 }
 
