@@ -40,6 +40,7 @@ inline void dq_chunk(const uint8_t* p, vf, vf, vf table, vf* out) {
 }
 constexpr int MB = 4;  // activation rows per tile (32 zmm registers: 16 accumulators)
 constexpr bool PAIR_ORDER = false;  // bf16 weights widen in k order (one shift of a widening load)
+constexpr bool BF16_PREFETCH = false;  // not measured on AVX-512 hosts (linear.cpp, Dense)
 void wload_pairs(const uint16_t*, vf&, vf&);  // AVX2 only: declared for Dense's discarded branch, never defined
 #else
 constexpr int VL = 8;
@@ -81,6 +82,7 @@ constexpr int MB = 2;  // 16 ymm registers: 8 accumulators, 4 weight vectors, 1 
 // linear.cpp); the products and their order per lane are the same for every row count, so results stay independent
 // of the batch.
 constexpr bool PAIR_ORDER = true;
+constexpr bool BF16_PREFETCH = true;  // bf16 weight chunks ask for the bytes 4 KB ahead (linear.cpp, Dense)
 inline void wload_pairs(const uint16_t* p, vf& even, vf& odd) {
   const __m256i w = _mm256_loadu_si256((const __m256i*)p);
   even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
