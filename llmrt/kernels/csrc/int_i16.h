@@ -75,8 +75,8 @@ I16Rows quantize_rows_i16(const float* x, int64_t ldx, int64_t M, int64_t Kp, bo
 
 // Steps of 1-2 rows read each weight chunk once, straight from memory, and ask for the bytes 4 KB ahead as they go:
 // with that, a W2 decode step took 0.92x the time on an AVX2 EPYC, int4 and int8 alike (benchmarks/kernel_step_ab.py:
-// median of 12 in-process pairs each, every pair below 1). The bf16/fp32 kernels do not: there the same prefetch
-// gave 0.98x (bf16) and 1.12x (fp32).
+// median of 12 in-process pairs each, every pair below 1). The bf16 kernel does the same (linear.cpp, Dense), the
+// fp32 one does not (1.12x with it).
 constexpr int64_t kPrefetchAhead = 4096;
 
 // int4: rows 2p and 2p + 1 of a weight block's chunk c as four int16 vectors in nibble order (header), straight
