@@ -76,8 +76,7 @@ I16Rows quantize_rows_i16(const float* x, int64_t ldx, int64_t M, int64_t Kp, bo
 // Steps of 1-2 rows read each weight chunk once, straight from memory, and ask for the bytes 4 KB ahead as they go:
 // with that, a W2 decode step took 0.92x the time on an AVX2 EPYC, int4 and int8 alike (benchmarks/kernel_step_ab.py:
 // median of 12 in-process pairs each, every pair below 1). The bf16 kernel does the same (linear.cpp, Dense), the
-// fp32 one does not (1.12x with it).
-constexpr int64_t kPrefetchAhead = 4096;
+// fp32 one does not (1.12x with it). The distance: PREFETCH_AHEAD (simd.h).
 
 // int4: rows 2p and 2p + 1 of a weight block's chunk c as four int16 vectors in nibble order (header), straight
 // from the packed bytes: v[t] holds 8 values of row 2p (low half) and the same 8 of row 2p + 1 (high half).
@@ -85,7 +84,7 @@ struct NibblePairs {
   const uint8_t* w;
   // Asks for the chunk's 64 bytes 4 KB ahead (this block's later chunks or the next blocks'), as Int8Rows does.
   inline void prefetch(int64_t c) const {
-    _mm_prefetch(reinterpret_cast<const char*>(w + c * NB * 16 + kPrefetchAhead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + c * NB * 16 + PREFETCH_AHEAD), _MM_HINT_T0);
   }
   inline void pair(int64_t c, int p, __m256i v[4]) const {
     const __m256i m = _mm256_set1_epi16(0xF);
@@ -193,8 +192,8 @@ inline void nibble_tile(const NibblePairs& src, PackedGroups groups, int64_t per
 struct Int8Rows {  // straight from the packed bytes
   const int8_t* w;
   inline void prefetch(int64_t c) const {  // the chunk's 128 bytes 4 KB ahead
-    _mm_prefetch(reinterpret_cast<const char*>(w + c * NB * 32 + kPrefetchAhead), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + c * NB * 32 + kPrefetchAhead + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + c * NB * 32 + PREFETCH_AHEAD), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + c * NB * 32 + PREFETCH_AHEAD + 64), _MM_HINT_T0);
   }
   inline void row(int64_t c, int j, __m256i& lo, __m256i& hi) const {
     lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + (c * NB + j) * 32)));

@@ -58,7 +58,7 @@ struct Dense {
     inline void start() {}
     inline void prefetch() const {  // block_tile's steps of 1-2 rows only, not the panels' widening
       if constexpr (kPrefetch) {
-        const char* ahead = reinterpret_cast<const char*>(p) + 4096;
+        const char* ahead = reinterpret_cast<const char*>(p) + PREFETCH_AHEAD;
         for (int l = 0; l < NB * KC * int(sizeof(WT)); l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
       }
     }

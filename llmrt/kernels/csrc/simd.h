@@ -82,7 +82,7 @@ constexpr int MB = 2;  // 16 ymm registers: 8 accumulators, 4 weight vectors, 1 
 // linear.cpp); the products and their order per lane are the same for every row count, so results stay independent
 // of the batch.
 constexpr bool PAIR_ORDER = true;
-constexpr bool BF16_PREFETCH = true;  // bf16 weight chunks ask for the bytes 4 KB ahead (linear.cpp, Dense)
+constexpr bool BF16_PREFETCH = true;  // bf16 weight chunks ask for the bytes PREFETCH_AHEAD on (linear.cpp, Dense)
 inline void wload_pairs(const uint16_t* p, vf& even, vf& odd) {
   const __m256i w = _mm256_loadu_si256((const __m256i*)p);
   even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -90,6 +90,7 @@ inline void wload_pairs(const uint16_t* p, vf& even, vf& odd) {
 }
 #endif
 constexpr int NB = 4;  // weight rows per tile
+constexpr int64_t PREFETCH_AHEAD = 4096;  // how far ahead the AVX2 1-2-row kernels prefetch weights (bf16, int_i16.h)
 
 inline float to_f(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
