@@ -37,7 +37,7 @@ struct I16Rows {
 // 3+ rows (`panel`) store each block as the panel tiles read it instead: (k 0 2 4 6 16 18 20 22 | 8 10 12 14 24 26
 // 28 30) then the same with k + 1, which gives each of a row's two lanes the same inputs as in nibble_tile.
 template <bool int4>
-I16Rows quantize_rows_i16(const float* x, int64_t ldx, int64_t M, int64_t Kp, bool panel = false) {
+I16Rows quantize_rows_i16(const float* x, int64_t ldx, int64_t M, int64_t Kp, bool panel) {
   I16Rows r;
   r.Kp = Kp;
   r.nb = Kp / 32;
@@ -113,20 +113,24 @@ inline void widen_nibble_rows(const NibblePairs& src, int64_t nb, int16_t* dst) 
     }
 }
 
-// A block's int4 group scales as nibble_tile uses them, from its bf16 pairs s0 z0 s1 z1 .. s3 z3 (each pair a
-// 32-bit lane: z its high half, s its low one shifted up): s = s0 s0 s2 s2 | s1 s1 s3 s3, the rows' lanes after
-// the fold; z = z0 z1 z2 z3 in both halves.
-struct PackedGroups {  // widened from the bf16 pairs as each group starts
+// A block's int4 group scales from its bf16 pairs s0 z0 s1 z1 .. s3 z3, each pair a 32-bit lane: z is its high
+// half, s its low one shifted up; both halves of s and z hold s0 s1 s2 s3 and z0 z1 z2 z3 (i16_tile's lanes).
+inline void group_scales(const uint16_t* g, __m256& s, __m256& z) {
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)g));
+  s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  z = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
+// nibble_tile's: s permuted within each half to s0 s0 s2 s2 | s1 s1 s3 s3, the rows' lanes after its fold.
+struct PackedGroups {  // from the bf16 pairs as each group starts
   const uint16_t* g;
   inline void next(__m256& s, __m256& z) {
-    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)g));
-    const __m256 pairs = _mm256_permutevar_ps(_mm256_castsi256_ps(v), _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3));
-    s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(pairs), 16));
-    z = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+    group_scales(g, s, z);
+    s = _mm256_permutevar_ps(s, _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3));
     g += 2 * NB;
   }
 };
-struct WidenedGroups {  // panel tiles: s = s0 s1 s2 s3 | s0 s1 s2 s3 (i16_tile's lanes), z as above; widen_groups
+struct WidenedGroups {  // i16_tile's (steps of 3+ rows): group_scales' s and z, widened once a block (widen_groups)
   const float* f;
   inline void next(__m256& s, __m256& z) {
     s = _mm256_loadu_ps(f);
@@ -137,9 +141,10 @@ struct WidenedGroups {  // panel tiles: s = s0 s1 s2 s3 | s0 s1 s2 s3 (i16_tile'
 
 void widen_groups(const uint16_t* g, int64_t groups, float* dst) {
   for (int64_t i = 0; i < groups; ++i, g += 2 * NB) {
-    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)g));
-    _mm256_storeu_si256((__m256i*)(dst + i * 16), _mm256_slli_epi32(v, 16));
-    _mm256_storeu_si256((__m256i*)(dst + i * 16 + 8), _mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+    __m256 s, z;
+    group_scales(g, s, z);
+    _mm256_storeu_ps(dst + i * 16, s);
+    _mm256_storeu_ps(dst + i * 16 + 8, z);
   }
 }
 

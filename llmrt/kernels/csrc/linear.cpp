@@ -263,9 +263,9 @@ Activations activations(const at::Tensor& x, int64_t Kp, bool pairs) {
           vstore(d + 8, odd);
           continue;
         }
-        for (int e = 0; e < 16; ++e) {
-          const int64_t k = g + 2 * (e % 8) + e / 8;
-          d[e] = k >= K ? 0.f : bf16 ? to_f(xb[i * ld + k]) : xs[i * ld + k];
+        for (int t = 0; t < 16; ++t) {
+          const int64_t k = g + t;
+          d[pair_slot(t)] = k >= K ? 0.f : bf16 ? to_f(xb[i * ld + k]) : xs[i * ld + k];
         }
       }
     return {xf, dst, Kp};
@@ -401,7 +401,7 @@ void unpack_blocks(const L& l, int64_t blocks, const float* scale, at::Tensor ou
           const float* src = panel.data() + k0 * NB + j * L::KC;
           const int64_t len = std::min<int64_t>(L::KC, K - k0);
           auto at = [&](int64_t t) {  // the panel's value for input k0 + t
-            if constexpr (L::kPairs) return src[t / 16 * 16 + t % 2 * 8 + t % 16 / 2];
+            if constexpr (L::kPairs) return src[t / 16 * 16 + pair_slot(int(t % 16))];
             else return src[t];
           };
           if (f32) {

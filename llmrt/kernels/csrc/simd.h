@@ -90,6 +90,8 @@ inline void wload_pairs(const uint16_t* p, vf& even, vf& odd) {
 }
 #endif
 constexpr int NB = 4;  // weight rows per tile
+// Where input t (0-15) of a 16-input group sits in PAIR_ORDER: even t in the first 8 slots, odd t in the last 8.
+constexpr int pair_slot(int t) { return t % 2 * 8 + t / 2; }
 constexpr int64_t PREFETCH_AHEAD = 4096;  // how far ahead the AVX2 1-2-row kernels prefetch weights (bf16, int_i16.h)
 
 inline float to_f(uint16_t b) {
