@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(LLMRT_AVX512)
@@ -94,32 +95,34 @@ inline vf vexp(vf x) { return exp_poly<vf, vi>(x); }
 
 constexpr int LOG_L = L == 16 ? 4 : L == 8 ? 3 : 2;
 // Shuffle masks for sum_rows: at level k a vector holds 2^k rows of L >> k lanes each; two such vectors become
-// one of 2^(k+1) rows of half the lanes, the lower half of each row's lanes plus its upper half.
-struct RowMasks {
-  vi lo[LOG_L], hi[LOG_L];
-};
-inline RowMasks row_masks() {
-  RowMasks r;
-  for (int k = 0; k < LOG_L; ++k) {
-    const int64_t m = L >> k, half = m / 2, rows = int64_t{1} << k;
-    for (int64_t o = 0; o < L; ++o) {
-      const int64_t row = o / half, e = o % half;
-      const int64_t src = row < rows ? row * m + e : L + (row - rows) * m + e;
-      r.lo[k][o] = static_cast<int32_t>(src);
-      r.hi[k][o] = static_cast<int32_t>(src + half);
-    }
+// one of 2^(k+1) rows of half the lanes, the lower half of each row's lanes plus its upper half. Compile-time
+// constants, so that each shuffle is one fixed-pattern instruction (masks held in registers became a vpermps per
+// input and a blend: the K pass's largest cost after its FMAs).
+constexpr int32_t row_src(int k, bool upper, int o) {
+  const int m = static_cast<int>(L) >> k, half = m / 2, rows = 1 << k;
+  const int row = o / half, e = o % half;
+  return (row < rows ? row * m + e : static_cast<int>(L) + (row - rows) * m + e) + (upper ? half : 0);
+}
+template <int k, bool upper, int... o>
+constexpr vi row_mask(std::integer_sequence<int, o...>) {
+  return vi{row_src(k, upper, o)...};
+}
+template <int k, bool upper>
+constexpr vi ROW_MASK = row_mask<k, upper>(std::make_integer_sequence<int, static_cast<int>(L)>{});
+
+template <int k>
+inline void sum_level(vf* v) {
+  constexpr int n = static_cast<int>(L) >> k;
+  for (int p = 0; p < n / 2; ++p) {
+    v[p] = __builtin_shuffle(v[2 * p], v[2 * p + 1], ROW_MASK<k, false>) +
+           __builtin_shuffle(v[2 * p], v[2 * p + 1], ROW_MASK<k, true>);
   }
-  return r;
+  if constexpr (k + 1 < LOG_L) sum_level<k + 1>(v);
 }
 // v[0..L): lane i of the result is the sum of v[i]'s lanes, added in hsum's order (lane j + lane j + L/2 first).
 // Overwrites v.
-inline vf sum_rows(vf* v, const RowMasks& mk) {
-  int64_t n = L;
-  for (int k = 0; k < LOG_L; ++k, n /= 2) {
-    for (int64_t p = 0; p < n / 2; ++p) {
-      v[p] = __builtin_shuffle(v[2 * p], v[2 * p + 1], mk.lo[k]) + __builtin_shuffle(v[2 * p], v[2 * p + 1], mk.hi[k]);
-    }
-  }
+inline vf sum_rows(vf* v) {
+  sum_level<0>(v);
   return v[0];
 }
 
@@ -148,7 +151,7 @@ namespace {
 template <int NC>
 __attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq"))) void k_pass_bf16dot_impl(
     const c10::BFloat16* qin, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* offs,
-    int64_t n, int64_t per, int64_t group, float sc, float* scores, int64_t np, vf* dots, const RowMasks& masks) {
+    int64_t n, int64_t per, int64_t group, float sc, float* scores, int64_t np, vf* dots) {
   constexpr int NP = NC / 2;  // 512-bit registers of 32 bf16 a head row
   constexpr int64_t dim = NC * L;
   const int64_t nh = per * group;
@@ -173,7 +176,7 @@ __attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq"))) void k_
     }
     for (int64_t j = 0; j < nh; ++j) {
       for (int64_t i = m; i < L; ++i) dots[j * L + i] = vf{};
-      const vf r = sum_rows(dots + j * L, masks) * sc;
+      const vf r = sum_rows(dots + j * L) * sc;
       std::memcpy(scores + j * np + t0, &r, sizeof(vf));
     }
   }
@@ -184,16 +187,67 @@ __attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq"))) void k_
 // multiple of 32, llmrt_attn_bf16dot set); false: the caller's FMA K pass.
 template <int NC, typename KV, typename Q>
 bool k_pass_bf16dot(const Q* qin, const KV* k_cache, const KV* v_cache, const int64_t* offs, int64_t n, int64_t per,
-                    int64_t group, float sc, float* scores, int64_t np, vf* dots, const RowMasks& masks) {
+                    int64_t group, float sc, float* scores, int64_t np, vf* dots) {
 #if defined(LLMRT_AVX512)
   if constexpr (std::is_same_v<KV, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16> && NC % 2 == 0 && L == 16) {
     if (llmrt_attn_bf16dot && per * group <= 64) {
-      k_pass_bf16dot_impl<NC>(qin, k_cache, v_cache, offs, n, per, group, sc, scores, np, dots, masks);
+      k_pass_bf16dot_impl<NC>(qin, k_cache, v_cache, offs, n, per, group, sc, scores, np, dots);
       return true;
     }
   }
 #endif
   return false;
+}
+
+// The K pass by FMAs, L tokens at a time. For each query head the L tokens' products accumulate side by side, L
+// independent chains of NC FMAs (one chain a score left the FMA unit waiting on its latency), each in the order
+// the one-chain loop used, and `sum_rows` turns the L vectors into the L scores (3 vector ops a score instead of a
+// scalar tree; hsum's order): the same bits as before. The L tokens' K rows are first copied (a bf16 cache's
+// widened) into `kbuf` token by token, each token's KV heads as one contiguous read in cache order (reading one
+// head of every token in turn, 128 of every 512 bytes, was slower on a 64-sequence step), up to k_heads_max()
+// heads at a time so that kbuf stays in L1; each token's V row is prefetched meanwhile (prefetch_v_row). Lanes of
+// tokens past the context get some row's score: the softmax overwrites them.
+constexpr int64_t KBUF_BYTES = 16384;
+template <int NC>
+constexpr int64_t k_heads_max() {
+  return std::max<int64_t>(1, KBUF_BYTES / (L * NC * static_cast<int64_t>(sizeof(vf))));
+}
+template <int NC, typename KV>
+void k_pass_fma(const vf* q, const KV* k_cache, const KV* v_cache, const int64_t* offs, int64_t n, int64_t per,
+                int64_t group, float sc, float* scores, int64_t np, vf* kbuf) {
+  constexpr int64_t dim = NC * L, hmax = k_heads_max<NC>();
+  const int64_t unit_bytes = per * dim * static_cast<int64_t>(sizeof(KV));
+  for (int64_t t0 = 0; t0 < n; t0 += L) {
+    const int64_t m = std::min<int64_t>(L, n - t0);
+    for (int64_t h0 = 0; h0 < per; h0 += hmax) {
+      const int64_t hn = std::min(hmax, per - h0);
+      for (int64_t i = 0; i < L; ++i) {  // token i's hn heads: kbuf[(i * hn + hh) * NC + c]
+        const int64_t off = offs[t0 + std::min(i, m - 1)];
+        if (h0 == 0 && i < m) prefetch_v_row(v_cache + off, unit_bytes);
+        const KV* row = k_cache + off + h0 * dim;
+        vf* dst = kbuf + i * hn * NC;
+        for (int64_t hh = 0; hh < hn; ++hh) {
+          for (int c = 0; c < NC; ++c) dst[hh * NC + c] = vload(row + hh * dim + c * L);
+        }
+      }
+      for (int64_t hh = 0; hh < hn; ++hh) {
+        const vf* kr[L];
+        for (int i = 0; i < L; ++i) kr[i] = kbuf + (i * hn + hh) * NC;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t j = (h0 + hh) * group + g;
+          const vf* qj = q + j * NC;
+          vf d[L];
+          for (int i = 0; i < L; ++i) d[i] = qj[0] * kr[i][0];
+          for (int c = 1; c < NC; ++c) {
+            const vf qc = qj[c];
+            for (int i = 0; i < L; ++i) d[i] += qc * kr[i][c];
+          }
+          const vf r = sum_rows(d) * sc;
+          std::memcpy(scores + j * np + t0, &r, sizeof(vf));
+        }
+      }
+    }
+  }
 }
 
 // The V pass with a KV head's G query heads accumulating in registers (G x CC vectors: CC of the head's NC
@@ -278,8 +332,7 @@ void decode_vec(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64
   const int64_t per = kv_heads / split, nh = per * group;                      // KV / query heads per unit
   at::parallel_for(0, num_seqs * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv(nh);
-    std::vector<vf> q(nh * NC), acc(nh * NC), dots(nh * L);
-    const RowMasks masks = row_masks();
+    std::vector<vf> q(nh * NC), acc(nh * NC), dots(nh * L), kbuf(L * NC * std::min(per, k_heads_max<NC>()));
     std::vector<int64_t> offs;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t s = work / split, h0 = (work % split) * per;
@@ -300,33 +353,8 @@ void decode_vec(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64
         }
       }
       if (!k_pass_bf16dot<NC>(qin, k_cache, v_cache, offs.data(), n, per, group, sc, scores.data(), np,
-                              dots.data(), masks)) {
-        // K pass, L tokens at a time: each (token, query head) leaves an L-lane vector of products, and L such
-        // vectors (one head, L tokens) are summed lane-wise together by `sum_rows` (3 vector ops a score instead of
-        // a scalar tree of L); same tree as hsum, so the same bits. Token-major: each token's heads are read as one
-        // contiguous run, in cache order (a head-major walk read 128 of every 512 bytes of a block per pass).
-        for (int64_t t0 = 0; t0 < n; t0 += L) {
-          const int64_t m = std::min<int64_t>(L, n - t0);
-          for (int64_t i = 0; i < m; ++i) {
-            prefetch_v_row(v_cache + offs[t0 + i], per * dim * static_cast<int64_t>(sizeof(KV)));
-            const KV* krow = k_cache + offs[t0 + i];
-            for (int64_t hh = 0; hh < per; ++hh) {
-              vf kv[NC];
-              for (int c = 0; c < NC; ++c) kv[c] = vload(krow + hh * dim + c * L);
-              for (int64_t g = 0; g < group; ++g) {
-                const vf* qj = q.data() + (hh * group + g) * NC;
-                vf d = qj[0] * kv[0];
-                for (int c = 1; c < NC; ++c) d += qj[c] * kv[c];
-                dots[(hh * group + g) * L + i] = d;
-              }
-            }
-          }
-          for (int64_t j = 0; j < nh; ++j) {
-            for (int64_t i = m; i < L; ++i) dots[j * L + i] = vf{};  // past the context: overwritten below
-            const vf r = sum_rows(dots.data() + j * L, masks) * sc;
-            std::memcpy(scores.data() + j * np + t0, &r, sizeof(vf));
-          }
-        }
+                              dots.data())) {
+        k_pass_fma<NC>(q.data(), k_cache, v_cache, offs.data(), n, per, group, sc, scores.data(), np, kbuf.data());
       }
       for (int64_t j = 0; j < nh; ++j) {
         float* sg = scores.data() + j * np;
