@@ -40,7 +40,7 @@ struct Dense {
   static constexpr bool kPairs = PAIR_ORDER && std::is_same_v<WT, uint16_t>;
   // AVX2 bf16: steps of 1-2 rows ask for each chunk's 256 bytes 4 KB ahead (W2 bf16 0.963x / 0.976x / 0.982x by the
   // median of 14 / 12 / 10 in-process pairs, benchmarks/kernel_step_ab.py); fp32's faster stream got slower with it
-  // (1.12x), the panels' widening (3+ rows) did at 16 rows (1.04-1.08x), and AVX-512 builds were not measured.
+  // (1.12x), the panels' widening (3+ rows) did at 16 rows (1.04-1.08x); on AVX-512 bf16 1.10x, fp32 1.01x (simd.h).
   static constexpr bool kPrefetch = BF16_PREFETCH && std::is_same_v<WT, uint16_t>;
   const WT* w;  // packed [Np/4][Kp/KC][4][KC]
   int64_t Kp;

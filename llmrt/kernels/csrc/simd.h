@@ -40,7 +40,9 @@ inline void dq_chunk(const uint8_t* p, vf, vf, vf table, vf* out) {
 }
 constexpr int MB = 4;  // activation rows per tile (32 zmm registers: 16 accumulators)
 constexpr bool PAIR_ORDER = false;  // bf16 weights widen in k order (one shift of a widening load)
-constexpr bool BF16_PREFETCH = false;  // not measured on AVX-512 hosts (linear.cpp, Dense)
+// No software prefetch on AVX-512 (linear.cpp, Dense): measured on an AVX512-BF16 EPYC, W2 in one process, 8
+// pairs: bf16 1.10x the time with it, fp32 1.01x (docs/performance.md, tenth session).
+constexpr bool BF16_PREFETCH = false;
 void wload_pairs(const uint16_t*, vf&, vf&);  // AVX2 only: declared for Dense's discarded branch, never defined
 #else
 constexpr int VL = 8;
