@@ -54,7 +54,11 @@ MAX_ROWS = {"fp32": 64, "bf16": 8, "bf16 upcast": 16, "int8": 64, "int4": 64}
 # activations): int8/int4 ours against dequantizing into the shared buffer + torch's GEMM, ms: int8 12 rows 15.1 vs
 # 15.8, 16 rows 18.1 vs 17.2, 64 rows 56.2 vs 33.0; int4 g32 16 rows 16.2 vs 17.1, 24 rows 23.3 vs 19.8, 64 rows
 # 60.7 vs 33.0 (ours widens to fp32 and is FMA-bound from ~16 rows; torch's bf16 GEMM runs vdpbf16ps).
-MAX_ROWS_BY_ISA: dict[str, dict[str, int]] = {"avx2": {"bf16 upcast": 64}, "avx512": {"int8": 12, "int4": 16}}
+# int4 on AVX-512 took those 16 rows while its kernel widened the nibbles to fp32; with int16 activations (int_i16.h,
+# as on AVX2) it keeps the common 64 (Zen 4 EPYC, the same 48 linears, fp32 activations: 32 rows 35 vs 60 ms
+# dequantized + torch's GEMM, 64 rows 68-74 vs 109; bf16 steps of 9+ rows take the vdpbf16ps panels before this
+# limit applies on CPUs with AVX512-BF16).
+MAX_ROWS_BY_ISA: dict[str, dict[str, int]] = {"avx2": {"bf16 upcast": 64}, "avx512": {"int8": 12}}
 ISA_NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
              "avx512vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")}
 
@@ -102,10 +106,11 @@ def build_dir(isa: str) -> Path:
     return build.build_dir("kernels", f"llmrt_kernels_{isa}", sorted(CSRC.iterdir()), _cflags(isa))
 
 
-def int16_activations(isa: str) -> bool:
-    """Whether `isa`'s int8/int4 vector kernels (linear_int8, linear_int4) round activations to int16 per block of
-    32 inputs (csrc/int_i16.h: AVX2 builds) rather than widening the weights to fp32 (AVX-512 builds)."""
-    return isa == "avx2"
+def int16_activations(isa: str, fmt: str) -> bool:
+    """Whether `isa`'s vector kernel for `fmt` (linear_int8, linear_int4) rounds activations to int16 per block of
+    32 inputs (csrc/int_i16.h: int4 in every build, int8 in AVX2's) rather than widening the weights to fp32 (int8
+    in the AVX-512 builds)."""
+    return fmt == "int4" or isa == "avx2"
 
 
 def has_bf16_dot(isa: str, flags: frozenset[str]) -> bool:
@@ -186,8 +191,9 @@ def _switch(var: str, default: str) -> bool:
 
 def int8_activations() -> bool:
     """Whether int8/int4 layers quantize their activations to int8 (per block of 32, as llama.cpp's Q8_0) and
-    use integer dot products: LLMRT_INT8_ACTIVATIONS=1, or 0 (the default: fp32 activations, weights widened
-    in registers; the int8 scheme misses some of the random-model agreement bounds, docs/quantization.md)."""
+    use integer dot products: LLMRT_INT8_ACTIVATIONS=1, or 0 (the default: activations rounded to int16 per block,
+    or fp32 against weights widened in registers, `int16_activations`; the int8 scheme misses some of the
+    random-model agreement bounds, docs/quantization.md)."""
     return _switch("LLMRT_INT8_ACTIVATIONS", "0")
 
 

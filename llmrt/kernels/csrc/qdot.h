@@ -10,6 +10,42 @@
 
 namespace llmrt_simd {
 
+// One block of 32 activations rounded to integers of at most `levels` (127: int8, 32767: int16; to nearest even):
+// the integers (4 x 8 int32, in order), their sum, the scale d = max|x| / levels and the block's float sum.
+// 256-bit code in every build: int_i16.h's kernels run in the AVX-512 builds too.
+struct RoundedBlock {
+  __m256i q[4];
+  int32_t qsum;
+  float d, xsum;
+};
+inline RoundedBlock round_block(const float* x, float levels) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], m = _mm256_setzero_ps(), s = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    s = _mm256_add_ps(s, v[i]);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  RoundedBlock r;
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));  // as AVX2's vsum (simd.h)
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+  r.xsum = _mm_cvtss_f32(s4);
+  r.d = std::isnan(r.xsum) ? r.xsum : amax / levels;  // max drops NaN: the sum keeps a NaN input's row NaN
+  const __m256 id = _mm256_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
+  for (int i = 0; i < 4; ++i) r.q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+  const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(r.q[0], r.q[1]), _mm256_add_epi32(r.q[2], r.q[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  r.qsum = _mm_cvtsi128_si32(t);
+  return r;
+}
+
 #if defined(LLMRT_AVX512)
 using vi = __m512i;
 constexpr int VB = 64;  // bytes per integer vector
@@ -90,37 +126,6 @@ inline void int4_scales(const uint16_t* g, vf* s, vf* b) {  // two vectors of 2 
                                                                 4 * v + 3, 4 * v + 3, 4 * v + 3, 4 * v + 3));
     b[v] = _mm256_blend_ps(_mm256_setzero_ps(), _mm256_fnmadd_ps(eight, s[v], z), 0x11);
   }
-}
-// One block of 32 activations rounded to integers of at most `levels` (127: int8, 32767: int16; to nearest even):
-// the integers (4 x 8 int32, in order), their sum, the scale d = max|x| / levels and the block's float sum.
-struct RoundedBlock {
-  __m256i q[4];
-  int32_t qsum;
-  float d, xsum;
-};
-inline RoundedBlock round_block(const float* x, float levels) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4], m = _mm256_setzero_ps(), s = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-    s = _mm256_add_ps(s, v[i]);
-  }
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float amax = _mm_cvtss_f32(m4);
-  RoundedBlock r;
-  r.xsum = vsum(s);
-  r.d = std::isnan(r.xsum) ? r.xsum : amax / levels;  // max drops NaN: the sum keeps a NaN input's row NaN
-  const __m256 id = _mm256_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
-  for (int i = 0; i < 4; ++i) r.q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
-  const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(r.q[0], r.q[1]), _mm256_add_epi32(r.q[2], r.q[3]));
-  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-  r.qsum = _mm_cvtsi128_si32(t);
-  return r;
 }
 inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& qsum, float& xsum) {
   const RoundedBlock r = round_block(x, 127.0f);
