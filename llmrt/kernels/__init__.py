@@ -199,7 +199,7 @@ def int8_activations() -> bool:
 
 def int4_bf16dot() -> bool:
     """Whether int4 layers given bf16 activations use the AVX512-BF16 kernel where the CPU and build have it:
-    LLMRT_INT4_BF16DOT=1 (the default) or 0 (the float kernel, which widens each nibble to fp32)."""
+    LLMRT_INT4_BF16DOT=1 (the default) or 0 (`linear_int4`: activations rounded to int16, csrc/int_i16.h)."""
     return _switch("LLMRT_INT4_BF16DOT", "1")
 
 
