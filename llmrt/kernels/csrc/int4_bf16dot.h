@@ -4,14 +4,16 @@
 // pragma and called only where the CPU has it (Python checks the flag), so the builds still load on others.
 //
 // Why: the float kernel of the time (since replaced by int_i16.h's int16 one) widened every nibble to fp32 through
-// two 16-entry permutes and a zero-extension per 32 weights; on a 2-core Zen 4 those shuffles, not memory, bound int4 decode (int4 GEMVs slower than int8's). Here
-// a nibble becomes a bf16 with no table: 0x4300 | q is the bf16 of 128 + q (bf16's unit step at 128 is 1), and
-// a chunk's 64 bytes read as 16-bit lanes give all four rows' nibbles by shifts and masks alone (no widening or
-// cross-lane shuffle: 0.83-0.88x the time of the earlier per-row-pair zero-extension on the 124.7M model's
-// layers, 1-4 rows); the products x * (128 + q) are exact in fp32. Per group:
+// two 16-entry permutes and a zero-extension per 32 weights; on a 2-core Zen 4 those shuffles, not memory, bound
+// int4 decode (int4 GEMVs slower than int8's). Here a nibble becomes a bf16 with no table: 0x4300 | q is the bf16
+// of 128 + q (bf16's unit step at 128 is 1), and a chunk's 64 bytes read as 16-bit lanes give all four rows'
+// nibbles by shifts and masks alone (no widening or cross-lane shuffle: 0.83-0.88x the time of the earlier
+// per-row-pair zero-extension on the 124.7M model's layers, 1-4 rows); the products x * (128 + q) are exact in
+// fp32. Per group:
 //   sum_k x_k w_k = s * sum_k x_k (128 + q_k) + (z - 136 s) * sum_k x_k      (w = (q - 8) s + z)
-// The activations are bf16 already (bf16 models) and are used as they are (int_i16.h rounds them to int16). Every row is computed the same way whatever the number of rows (tiles of up
-// to 4 re-read the block from L1), so a row's result does not depend on the batch.
+// The activations are bf16 already (bf16 models) and are used as they are (int_i16.h rounds them to int16). Every
+// row is computed the same way whatever the number of rows (tiles of up to 4 re-read the block from L1), so a
+// row's result does not depend on the batch.
 #pragma once
 
 #if defined(LLMRT_AVX512)
