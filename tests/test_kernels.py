@@ -183,7 +183,7 @@ def test_int_kernels_with_int16_activations(isa, fmt, gs):
             sz = torch.stack([sc, z], -1).bfloat16().double()
             s, zz = sz[..., 0].repeat_interleave(gs, -1), sz[..., 1].repeat_interleave(gs, -1)
             centred = (q.double() - 8) * s
-        for rows in (1, 2, 3, 5, 16, 17, 64):  # int4: register tiles up to NIBBLE_ROWS (16), panels above
+        for rows in (1, 2, 3, 5, 16, 17, 64):  # register tiles up to TILE_ROWS (16), panels above
             for xdt in (torch.float32, torch.bfloat16):
                 x = torch.randn(rows, k).to(xdt)
                 xf = F.pad(x.double(), (0, kp - k))

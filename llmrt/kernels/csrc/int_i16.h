@@ -16,9 +16,8 @@
 // the group scales permuted to match. Nibbles q are unsigned: the vector less 4 sum(xq) a lane makes the products
 // xq (q - 8), so the rounding error meets the centred weight (half what q alone gives); the zero point's term,
 // z sum_k x_k, uses the block's exact float sum X. Integer sums are exact in any order and the float steps are the
-// same for every tile, so a row's result does not depend on the batch: int4 steps of up to NIBBLE_ROWS rows (int8: 2)
-// widen the weights in registers, larger ones widen each weight block once into an int16 panel that every row tile
-// reads.
+// same for every tile, so a row's result does not depend on the batch: steps of up to TILE_ROWS rows widen the
+// weights in registers, larger ones widen each weight block once into an int16 panel that every row tile reads.
 #pragma once
 #include <vector>
 
@@ -34,8 +33,9 @@ struct I16Rows {
 };
 
 // int4 also needs 4 sum(q) and X per block (the centring and the zero point's term); int8 does not. int4 steps of
-// 3+ rows (`panel`) store each block as the panel tiles read it instead: (k 0 2 4 6 16 18 20 22 | 8 10 12 14 24 26
-// 28 30) then the same with k + 1, which gives each of a row's two lanes the same inputs as in nibble_tile.
+// more than TILE_ROWS rows (`panel`) store each block as the panel tiles read it instead: (k 0 2 4 6 16 18 20 22 |
+// 8 10 12 14 24 26 28 30) then the same with k + 1, which gives each of a row's two lanes the same inputs as in
+// nibble_tile.
 template <bool int4>
 I16Rows quantize_rows_i16(const float* x, int64_t ldx, int64_t M, int64_t Kp, bool panel) {
   I16Rows r;
@@ -148,7 +148,7 @@ void widen_groups(const uint16_t* g, int64_t groups, float* dst) {
   }
 }
 
-// int4, steps of up to NIBBLE_ROWS rows: out[i][j] = row m0 + i of x times row 4b + j of the block, the weights
+// int4, steps of up to TILE_ROWS rows: out[i][j] = row m0 + i of x times row 4b + j of the block, the weights
 // widened in registers (for each pair of rows again: the block is in L1 after the first).
 template <int mb>
 inline void nibble_tile(const NibblePairs& src, PackedGroups groups, int64_t per_group, const I16Rows& x, int64_t m0,
@@ -280,20 +280,22 @@ inline void i16_tile(const Src& src, WidenedGroups groups, int64_t per_group, co
 
 // All rows of c's activations times every block: block b's weights at w + b * stride (int4: nibbles with sz, the
 // blocks' (s, z) pairs per group of gs; int8: bytes). block_bytes (scales included) sizes the tasks. Steps of up to
-// NIBBLE_ROWS (int4) or 2 (int8) rows widen the weights in registers, larger ones widen each block once into an int16
-// panel every row tile reads.
-// int4 steps of up to NIBBLE_ROWS rows widen the nibbles in registers for every pair of rows (nibble_tile), larger
-// ones widen each block once into an int16 panel (i16_tile). The 48 decoder linears of the 124.7M model, cold, against
-// panels from 3 rows (Zen 4 EPYC, AVX2 build, fp32 / bf16 activations): 3 rows 0.68x / 0.70x the time, 4 rows 0.66x /
-// 0.75x, 8 rows 0.84x / 0.87x, 16 rows 0.92x / 0.97x, 32 rows 0.99x / 1.02x, 64 rows 1.09x / 1.07x.
-constexpr int64_t NIBBLE_ROWS = 16;
+// TILE_ROWS rows widen the weights in registers, larger ones widen each block once into an int16 panel every row
+// tile reads.
+// Steps of up to TILE_ROWS rows widen the weights in registers for every pair of rows (nibble_tile, i16_tile over
+// Int8Rows; the block is in L1 after the first pair), larger ones widen each block once into an int16 panel
+// (i16_tile over PanelRows). The 48 decoder linears of the 124.7M model, cold, against panels from 3 rows (Zen 4
+// EPYC, AVX2 build, fp32 / bf16 activations): int4 3 rows 0.66x / 0.70x the time, 4 rows 0.70x / 0.73x, 8 rows
+// 0.85x / 0.85x, 16 rows 0.98x / 1.01x, 32 rows 0.99x / 1.02x, 64 rows 1.09x / 1.07x; int8 3 rows 0.72x / 0.73x,
+// 8 rows 0.75x / 0.75x, 16 rows 0.85x / 0.86x, 24 rows 0.94x / 0.96x, 32 rows 0.98x, 64 rows 1.03x.
+constexpr int64_t TILE_ROWS = 16;
 
 template <bool int4, typename W>
 at::Tensor linear_i16(const W* w, int64_t stride, const uint16_t* sz, int64_t gs, int64_t block_bytes, const Call& c,
                       int64_t M) {
   if (M == 0) return c.y;
-  const bool nibble_tiles = int4 && M <= NIBBLE_ROWS;
-  const I16Rows x = quantize_rows_i16<int4>(c.a.p, c.a.ld, M, c.Kp, M > 2 && !nibble_tiles);
+  const bool tiles = M <= TILE_ROWS;
+  const I16Rows x = quantize_rows_i16<int4>(c.a.p, c.a.ld, M, c.Kp, !tiles);
   const int64_t nb = c.Kp / 32, groups = int4 ? c.Kp / gs : 0, per_group = int4 ? gs / 32 : 0;
   at::parallel_for(0, c.blocks, block_grain(block_bytes), [&](int64_t b0, int64_t b1) {
     float out[2][NB];
@@ -303,7 +305,7 @@ at::Tensor linear_i16(const W* w, int64_t stride, const uint16_t* sz, int64_t gs
       const uint16_t* g = int4 ? sz + b * groups * NB * 2 : nullptr;
       if constexpr (int4) {
         const NibblePairs rows{reinterpret_cast<const uint8_t*>(w) + b * stride};
-        if (nibble_tiles) {
+        if (tiles) {
           int64_t m0 = 0;
           for (; m0 + 2 <= M; m0 += 2) {
             nibble_tile<2>(rows, PackedGroups{g}, per_group, x, m0, out);
@@ -321,10 +323,16 @@ at::Tensor linear_i16(const W* w, int64_t stride, const uint16_t* sz, int64_t gs
         widen_groups(g, groups, scales.data());
       } else {
         const Int8Rows rows{reinterpret_cast<const int8_t*>(w) + b * stride};
-        if (M <= 2) {
-          if (M == 2) i16_tile<2, false>(rows, WidenedGroups{nullptr}, 0, x, 0, out);
-          else i16_tile<1, false>(rows, WidenedGroups{nullptr}, 0, x, 0, out);
-          c.sink.put(0, int(M), b, out);
+        if (tiles) {
+          int64_t m0 = 0;
+          for (; m0 + 2 <= M; m0 += 2) {
+            i16_tile<2, false>(rows, WidenedGroups{nullptr}, 0, x, m0, out);
+            c.sink.put(m0, 2, b, out);
+          }
+          if (m0 < M) {
+            i16_tile<1, false>(rows, WidenedGroups{nullptr}, 0, x, m0, out);
+            c.sink.put(m0, 1, b, out);
+          }
           continue;
         }
         panel.resize(nb * NB * 32);
