@@ -257,17 +257,20 @@ def _cpu_support(fmt: str, flags: frozenset[str]) -> tuple[str, str]:
         return EMULATED, (f"no {fmt} arithmetic on this CPU: weights stay {fmt} (half the bytes) and matmuls of 3+ "
                           "rows run in float32 (emulated half matmuls are 3-5x slower than float32)")
     if fmt in ("int8", "int4"):
-        from llmrt.kernels import has_amx, has_bf16_dot, max_rows
+        from llmrt.kernels import has_amx, has_bf16_dot, int16_activations, max_rows
         from llmrt.kernels.packed import AMX_ROWS, BF16_GEMM_MIN_ROWS
 
         ours = kernel_isa(flags)
         if ours:
-            bf16dot = " (int4 with bf16 activations: vdpbf16ps)" if fmt == "int4" and has_bf16_dot(ours, flags) \
-                else ""
+            notes = ["activations rounded to int16 per block of 32" if int16_activations(ours, fmt)
+                     else "weights widened to float32"]
+            if fmt == "int4" and has_bf16_dot(ours, flags):
+                notes.append("int4 with bf16 activations: vdpbf16ps")
+            how = f" ({'; '.join(notes)})"
             batched = (f"; bf16 steps of {AMX_ROWS[0]}-{AMX_ROWS[1]} rows on AMX tiles" if has_amx(ours, flags) else
                        f"; bf16 steps of {BF16_GEMM_MIN_ROWS[fmt]} rows or more by vdpbf16ps from bf16 panels"
                        if has_bf16_dot(ours, flags) else "")
-            return NATIVE, (f"weight-only {fmt}: llmrt's {ours} kernel{bf16dot} (weights packed at load) for steps of "
+            return NATIVE, (f"weight-only {fmt}: llmrt's {ours} kernel{how} (weights packed at load) for steps of "
                             f"up to {max_rows(ours, fmt)} rows{batched}; {'other ' if batched else ''}larger steps "
                             "dequantized to the compute dtype (torch's packed kernels where ours cannot be built); the "
                             "LM head int8 unless --lm-head-quantization none (docs/quantization.md)")
