@@ -5,9 +5,12 @@ The sources at `--baseline` are compiled under their own op namespace (llmrt_<is
 the 124.7M Llama's 48 decoder-layer linears (distinct weights per layer, so streamed from memory as a decode step
 reads them) are called at each row count, the two builds alternating within each round; best of rounds. With
 `--hot`, the first four layers are called twelve times instead (weights from the L3 cache: the kernels' compute
-rate without the memory stream).
+rate without the memory stream). `--isa avx2` measures another build than the one this CPU would use, and
+`--dequantized` adds, from 8 rows, the weights dequantized into a reused buffer + torch's `F.linear` (what a layer
+runs above its row limit).
 
 Run: PYTHONPATH=. python benchmarks/vector_kernel_ab.py --baseline REV [--formats int4 int8] [--rows 1 2 4 16 64]
+         [--dtype float32] [--isa avx2] [--dequantized]
 """
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ import argparse
 import time
 
 import torch
+import torch.nn.functional as F
 
+import llmrt.kernels as K
 from llmrt.bench.report import load_average, machine_info
 from llmrt.kernels import kernels
 from llmrt.kernels.packed import PackedLinear
@@ -57,10 +62,12 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="activations")
     ap.add_argument("--hot", action="store_true", help="four layers' weights repeated (cache-resident)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--isa", default=None, help="a build other than this CPU's own (e.g. avx2)")
+    ap.add_argument("--dequantized", action="store_true", help="also dequantize + F.linear from 8 rows")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    lib = kernels()
+    lib = K.load(args.isa) if args.isa else kernels()
     assert lib is not None, "needs llmrt's kernels (x86-64 with AVX2 or AVX-512)"
     base = baseline_ops(args.baseline, lib.isa)
     torch.manual_seed(0)
@@ -70,17 +77,25 @@ def main() -> None:
           f"{args.rounds} alternating rounds", flush=True)
     for fmt in args.formats:
         layers = [packed(lib, fmt, w) for w in dense] * (12 if args.hot else 1)
+        bufs: dict[tuple[int, int], torch.Tensor] = {}
         for rows in args.rows:
             xs = {k: torch.randn(rows, k).to(getattr(torch, args.dtype)) for k in (768, 2048)}
-            best = {"base": 1e9, "new": 1e9}
-            for _ in range(args.rounds):
-                for name, ops in (("base", base), ("new", lib)):
+            best = {"base": 1e9, "new": 1e9, "dequantized": 1e9}
+            dequantized = args.dequantized and rows >= 8
+            for r in range(args.rounds):
+                order = (("base", base), ("new", lib)) if r % 2 == 0 else (("new", lib), ("base", base))
+                for name, ops in order + ((("dequantized", None),) if dequantized else ()):
                     t = time.perf_counter()
                     for p in layers:
-                        call(ops, p, xs[p.k])
+                        if ops is None:
+                            buf = bufs.setdefault((p.n, p.k), torch.empty(p.n, p.padded_in, dtype=xs[p.k].dtype))
+                            F.linear(xs[p.k], p.unpack_into(buf)[:, :p.k])
+                        else:
+                            call(ops, p, xs[p.k])
                     best[name] = min(best[name], time.perf_counter() - t)
+            extra = f" {best['dequantized'] * 1e3:.2f} |" if dequantized else ""
             print(f"| {fmt} | {rows} | {best['base'] * 1e3:.2f} | {best['new'] * 1e3:.2f} | "
-                  f"{best['new'] / best['base']:.3f}x |", flush=True)
+                  f"{best['new'] / best['base']:.3f}x |{extra}", flush=True)
     print(f"load {load_average():.1f}")
 
 

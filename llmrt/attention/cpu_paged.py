@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 PREFILL_SOURCE = Path(__file__).parent / "csrc" / "prefill_attention.cpp"
 VEC_LANES = Path(__file__).parents[1] / "kernels" / "csrc" / "vec_lanes.h"  # SOURCE includes it: in the build key
+LANE_SUM = Path(__file__).parents[1] / "kernels" / "csrc" / "lane_sum.h"  # attention_common.h includes it
 COMMON = Path(__file__).parent / "csrc" / "attention_common.h"  # both sources include it
 # No -ffast-math: results must not depend on how many sequences share a step (the vector path's sums are in a
 # fixed order; the reference loop's `omp simd` reductions vectorize under -fopenmp alone).
@@ -65,7 +66,7 @@ def load_kernel() -> Optional[AttentionKernels]:
         return None
     try:
         b = load_or_compile("attention", "llmrt_paged_decode", [SOURCE, PREFILL_SOURCE], _cflags(),
-                           [VEC_LANES, COMMON])
+                           [VEC_LANES, LANE_SUM, COMMON])
     except Exception as e:  # no compiler or ninja: the torch backend still works
         logger.warning("cpu_paged attention kernel unavailable (%s: %s); using the torch backend",
                        type(e).__name__, (str(e).strip().splitlines() or [""])[-1])

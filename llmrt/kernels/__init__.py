@@ -55,9 +55,9 @@ MAX_ROWS = {"fp32": 64, "bf16": 8, "bf16 upcast": 16, "int8": 64, "int4": 64}
 # 15.8, 16 rows 18.1 vs 17.2, 64 rows 56.2 vs 33.0; int4 g32 16 rows 16.2 vs 17.1, 24 rows 23.3 vs 19.8, 64 rows
 # 60.7 vs 33.0 (ours widens to fp32 and is FMA-bound from ~16 rows; torch's bf16 GEMM runs vdpbf16ps).
 # int4 on AVX-512 took those 16 rows while its kernel widened the nibbles to fp32; with int16 activations (int_i16.h,
-# as on AVX2) it keeps the common 64 (Zen 4 EPYC, the same 48 linears, fp32 activations: 32 rows 35 vs 60 ms
-# dequantized + torch's GEMM, 64 rows 68-74 vs 109; bf16 steps of 9+ rows take the vdpbf16ps panels before this
-# limit applies on CPUs with AVX512-BF16).
+# as on AVX2) it keeps the common 64 (Zen 4 EPYC, the same 48 linears, fp32 activations: 32 rows 31.8 vs 58.7 ms
+# dequantized + torch's GEMM, 64 rows 60.9 vs 83.7, benchmarks/int4-i16-rows-avx512-2026-12-07.md; bf16 steps of
+# 9+ rows take the vdpbf16ps panels before this limit applies on CPUs with AVX512-BF16).
 MAX_ROWS_BY_ISA: dict[str, dict[str, int]] = {"avx2": {"bf16 upcast": 64}, "avx512": {"int8": 12}}
 ISA_NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
              "avx512vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")}

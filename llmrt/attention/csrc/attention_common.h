@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../../kernels/csrc/lane_sum.h"
 #include "../../kernels/csrc/vec_lanes.h"
 
 // Whether bf16 x bf16 scores (decode's K pass, prefill's Q K^T) use AVX512-BF16's vdpbf16ps: set once by the
@@ -32,20 +33,15 @@ inline vf vload(const c10::BFloat16* p) { return vload(reinterpret_cast<const ui
 // Lane i adds lane i + w for w = L/2, ..., 1; with AVX2/AVX-512 as vector adds of halves (the same sums: GCC had
 // lowered the loop to a chain of scalar adds through memory, ~20% of the prefill kernel's samples on a Zen 4).
 inline float hsum(vf v) {
-#if defined(__AVX512F__) || defined(__AVX2__)
 #if defined(__AVX512F__)
   __m512 z;
   std::memcpy(&z, &v, sizeof(z));
   const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1));
-  const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(z), hi);
-#else
+  return sum8(_mm256_add_ps(_mm512_castps512_ps256(z), hi));
+#elif defined(__AVX2__)
   __m256 y;
   std::memcpy(&y, &v, sizeof(y));
-#endif
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
+  return sum8(y);
 #else
   float part[L];
   std::memcpy(part, &v, sizeof(v));

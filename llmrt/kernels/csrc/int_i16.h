@@ -19,6 +19,7 @@
 // same for every tile, so a row's result does not depend on the batch: steps of up to TILE_ROWS rows widen the
 // weights in registers, larger ones widen each weight block once into an int16 panel that every row tile reads.
 #pragma once
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -278,10 +279,6 @@ inline void i16_tile(const Src& src, WidenedGroups groups, int64_t per_group, co
   }
 }
 
-// All rows of c's activations times every block: block b's weights at w + b * stride (int4: nibbles with sz, the
-// blocks' (s, z) pairs per group of gs; int8: bytes). block_bytes (scales included) sizes the tasks. Steps of up to
-// TILE_ROWS rows widen the weights in registers, larger ones widen each block once into an int16 panel every row
-// tile reads.
 // Steps of up to TILE_ROWS rows widen the weights in registers for every pair of rows (nibble_tile, i16_tile over
 // Int8Rows; the block is in L1 after the first pair), larger ones widen each block once into an int16 panel
 // (i16_tile over PanelRows). The 48 decoder linears of the 124.7M model, cold, against panels from 3 rows (Zen 4
@@ -290,6 +287,23 @@ inline void i16_tile(const Src& src, WidenedGroups groups, int64_t per_group, co
 // 8 rows 0.75x / 0.75x, 16 rows 0.85x / 0.86x, 24 rows 0.94x / 0.96x, 32 rows 0.98x, 64 rows 1.03x.
 constexpr int64_t TILE_ROWS = 16;
 
+// Rows [0, M) of block b by tiles of two rows and one for an odd last row: tile(mb, m0) writes out, the sink stores
+// it. `tile` takes mb as a std::integral_constant, so each tile size is its own instantiation.
+template <typename Tile>
+inline void by_row_pairs(int64_t M, int64_t b, const Sink& sink, float (*out)[NB], Tile tile) {
+  int64_t m0 = 0;
+  for (; m0 + 2 <= M; m0 += 2) {
+    tile(std::integral_constant<int, 2>{}, m0);
+    sink.put(m0, 2, b, out);
+  }
+  if (m0 < M) {
+    tile(std::integral_constant<int, 1>{}, m0);
+    sink.put(m0, 1, b, out);
+  }
+}
+
+// All rows of c's activations times every block: block b's weights at w + b * stride (int4: nibbles with sz, the
+// blocks' (s, z) pairs per group of gs; int8: bytes). block_bytes (scales included) sizes the tasks.
 template <bool int4, typename W>
 at::Tensor linear_i16(const W* w, int64_t stride, const uint16_t* sz, int64_t gs, int64_t block_bytes, const Call& c,
                       int64_t M) {
@@ -306,15 +320,9 @@ at::Tensor linear_i16(const W* w, int64_t stride, const uint16_t* sz, int64_t gs
       if constexpr (int4) {
         const NibblePairs rows{reinterpret_cast<const uint8_t*>(w) + b * stride};
         if (tiles) {
-          int64_t m0 = 0;
-          for (; m0 + 2 <= M; m0 += 2) {
-            nibble_tile<2>(rows, PackedGroups{g}, per_group, x, m0, out);
-            c.sink.put(m0, 2, b, out);
-          }
-          if (m0 < M) {
-            nibble_tile<1>(rows, PackedGroups{g}, per_group, x, m0, out);
-            c.sink.put(m0, 1, b, out);
-          }
+          by_row_pairs(M, b, c.sink, out, [&](auto mb, int64_t m0) {
+            nibble_tile<decltype(mb)::value>(rows, PackedGroups{g}, per_group, x, m0, out);
+          });
           continue;
         }
         panel.resize(nb * NB * 32);
@@ -324,15 +332,9 @@ at::Tensor linear_i16(const W* w, int64_t stride, const uint16_t* sz, int64_t gs
       } else {
         const Int8Rows rows{reinterpret_cast<const int8_t*>(w) + b * stride};
         if (tiles) {
-          int64_t m0 = 0;
-          for (; m0 + 2 <= M; m0 += 2) {
-            i16_tile<2, false>(rows, WidenedGroups{nullptr}, 0, x, m0, out);
-            c.sink.put(m0, 2, b, out);
-          }
-          if (m0 < M) {
-            i16_tile<1, false>(rows, WidenedGroups{nullptr}, 0, x, m0, out);
-            c.sink.put(m0, 1, b, out);
-          }
+          by_row_pairs(M, b, c.sink, out, [&](auto mb, int64_t m0) {
+            i16_tile<decltype(mb)::value, false>(rows, WidenedGroups{nullptr}, 0, x, m0, out);
+          });
           continue;
         }
         panel.resize(nb * NB * 32);
@@ -340,15 +342,9 @@ at::Tensor linear_i16(const W* w, int64_t stride, const uint16_t* sz, int64_t gs
       }
       const PanelRows src{panel.data()};
       const WidenedGroups wg{scales.data()};
-      int64_t m0 = 0;
-      for (; m0 + 2 <= M; m0 += 2) {
-        i16_tile<2, int4>(src, wg, per_group, x, m0, out);
-        c.sink.put(m0, 2, b, out);
-      }
-      if (m0 < M) {
-        i16_tile<1, int4>(src, wg, per_group, x, m0, out);
-        c.sink.put(m0, 1, b, out);
-      }
+      by_row_pairs(M, b, c.sink, out, [&](auto mb, int64_t m0) {
+        i16_tile<decltype(mb)::value, int4>(src, wg, per_group, x, m0, out);
+      });
     }
   });
   return c.y;

@@ -354,9 +354,9 @@ namespace {
 
 // int8/int4 weights times float32/bfloat16 activations: int4 times int16-quantized activations in every build
 // (int_i16.h); int8 the same on AVX2 and widened to fp32 in registers on AVX-512. On an AVX-512 Zen 4 EPYC the
-// widened int4 kernel (a 16-entry permute per 16 weights and the group's tables rebuilt every chunk) took 1.5-1.7x
-// the int16 kernel's time at 1-2 rows and 1.1-1.7x at 3-16 (the 124.7M model's 48 decoder linears, cold, fp32 and
-// bf16 activations). int8 keeps its widened kernel there: the int16 one (register tiles to 16 rows) took 1.04-1.07x
+// widened int4 kernel (a 16-entry permute per 16 weights and the group's tables rebuilt every chunk) took 1.46-1.52x
+// the int16 kernel's time at 1-2 rows and 1.11-1.35x at 3-16 (the 124.7M model's 48 decoder linears, cold, fp32 and
+// bf16 activations; benchmarks/int4-i16-rows-avx512-2026-12-07.md). int8 keeps its widened kernel there: the int16 one (register tiles to 16 rows) took 1.04-1.07x
 // its time at 1 row, 0.92-1.04x at 2-4 and 0.65-0.78x at 8-12, and decode's single rows matter most.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, int64_t n,
                        const c10::optional<at::Tensor>& bias) {

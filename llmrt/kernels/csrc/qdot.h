@@ -31,10 +31,7 @@ inline RoundedBlock round_block(const float* x, float levels) {
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   const float amax = _mm_cvtss_f32(m4);
   RoundedBlock r;
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));  // as AVX2's vsum (simd.h)
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-  r.xsum = _mm_cvtss_f32(s4);
+  r.xsum = sum8(s);
   r.d = std::isnan(r.xsum) ? r.xsum : amax / levels;  // max drops NaN: the sum keeps a NaN input's row NaN
   const __m256 id = _mm256_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
   for (int i = 0; i < 4; ++i) r.q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "lane_sum.h"
+
 namespace llmrt_simd {
 
 #if defined(LLMRT_AVX512)
@@ -51,12 +53,7 @@ inline vf vzero() { return _mm256_setzero_ps(); }
 inline vf vset1(float a) { return _mm256_set1_ps(a); }
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(vf a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+inline float vsum(vf a) { return sum8(a); }
 inline vf wload(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
