@@ -60,10 +60,14 @@ inline void vstore(uint16_t* p, vf v) {  // round to nearest even, NaN -> 0x7FC0
   std::memcpy(p, &h, sizeof(h));
 }
 inline vf vround_to(vf v, const float*) { return v; }
-inline vf vround_to(vf v, const uint16_t*) {
-  uint16_t tmp[LANES];
-  vstore(tmp, v);
-  return vload(tmp);
+inline vf vround_to(vf v, const uint16_t*) {  // vstore then vload, in registers
+  vu u;
+  std::memcpy(&u, &v, sizeof(u));
+  const vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  const vu out = (u & 0x7FFFFFFFu) > 0x7F800000u ? vu{} + 0x7FC00000u : rounded;
+  vf r;
+  std::memcpy(&r, &out, sizeof(r));
+  return r;
 }
 
 // Rows per parallel task: about 64K elements (~15-30 us of work). A decode step of up to 64 sequences of the
