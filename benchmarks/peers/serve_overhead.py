@@ -5,6 +5,11 @@ The server streams a W2-like request (256 prompt tokens, 128 forced output token
 chunk) / (output tokens - 1) as the client sees it. The offline figure is LLM.generate's own token timestamps.
 Each round uses a different prompt (no prefix-cache hit on either side).
 
+The client runs on the same cores as the server and the engine. `--clients httpx` (the default) is the benchmark
+client `llmrt bench serve` uses (httpx, ~0.45-0.55 ms of CPU a token on a 2-core Zen 4); `raw` reads the stream
+with one blocking socket and no HTTP library (one `recv` a chunk), so that less of what the served figure includes
+is the client's own work. `--clients httpx raw` alternates both on the same server; each is reported apart.
+
 With --processes N, each side runs in N fresh processes (a server, and the offline `LLM` in a child process),
 alternating, `--rounds` rounds each, best of all: on hosts where each process draws its own decode speed (the
 AVX-512 test host: 4.3-4.7 or 6.7-7.7 ms a token for the 124.7M model), one server against one offline process
@@ -16,6 +21,8 @@ import argparse
 import asyncio
 import json
 import os
+import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +39,8 @@ ap.add_argument("workload")
 ap.add_argument("--dtype", default="float32")
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--processes", type=int, default=1, help="fresh processes per side (best of all)")
+ap.add_argument("--clients", nargs="+", choices=("httpx", "raw"), default=["httpx"],
+                help="stream readers to time on the server, alternating (default: httpx)")
 ap.add_argument("--out")
 ap.add_argument("--offline-only", action="store_true", help=argparse.SUPPRESS)  # a child of --processes
 args = ap.parse_args()
@@ -51,6 +60,59 @@ async def served_tpot(url: str, prompt: list[int], new: int) -> float:
     return (res.token_times[-1] - res.token_times[0]) / (new - 1) * 1e3
 
 
+def raw_tpot(url: str, prompt: list[int], new: int) -> float:
+    """served_tpot with a blocking socket and a hand-parsed HTTP/1.1 chunked SSE stream (no client library)."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": new, "temperature": 0.0, "stream": True,
+                       "ignore_eos": True, "min_tokens": new, "stream_options": {"include_usage": True}}).encode()
+    times: list[float] = []
+    tokens = 0
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body))
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += sock.recv(65536)
+        head, buf = buf.split(b"\r\n\r\n", 1)
+        assert b" 200 " in head.split(b"\r\n", 1)[0] and b"chunked" in head.lower(), head
+        events, done = b"", False
+        while not done:
+            while b"\r\n" not in buf:  # the chunk-size line
+                buf += sock.recv(65536)
+            size_line, buf = buf.split(b"\r\n", 1)
+            size = int(size_line, 16)
+            if size == 0:
+                break
+            while len(buf) < size + 2:
+                more = sock.recv(65536)
+                assert more, "stream ended inside a chunk"
+                buf += more
+            events += buf[:size]
+            buf = buf[size + 2:]
+            now = time.perf_counter()
+            *whole, events = events.split(b"\n\n")
+            for ev in whole:
+                data = ev.removeprefix(b"data: ")
+                if data == b"[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                assert "error" not in chunk, chunk
+                if any(c.get("text") for c in chunk.get("choices") or []):
+                    times.append(now)
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    assert tokens == new, (tokens, new)
+    return (times[-1] - times[0]) / (new - 1) * 1e3
+
+
+def served_round(url: str, wl: dict, base: int, new: int, served: dict[str, list[float]]) -> None:
+    """One streamed request per client in --clients, in turn, each with its own prompt (no prefix-cache hit)."""
+    for i, c in enumerate(args.clients):
+        prompt = prompt_of(wl, base + 7 * i)
+        served[c].append(asyncio.run(served_tpot(url, prompt, new)) if c == "httpx" else raw_tpot(url, prompt, new))
+
+
 def offline_llm(wl: dict) -> tuple[LLM, SamplingParams]:
     """The offline engine, warmed up, and the measured requests' sampling parameters."""
     llm = LLM(args.model, dtype=args.dtype, max_model_len=1024)
@@ -64,39 +126,42 @@ def offline_tpot(llm: LLM, greedy: SamplingParams, prompt: list[int]) -> float:
     return (m.last_token_time - m.first_token_time) / (greedy.max_tokens - 1) * 1e3
 
 
-def fresh_processes(wl: dict, new: int, opts: list[str]) -> tuple[list[float], list[float]]:
+def fresh_processes(wl: dict, new: int, opts: list[str]) -> tuple[dict[str, list[float]], list[float]]:
     """--processes: each side in fresh processes, alternating which goes first."""
-    served, offline = [], []
+    served: dict[str, list[float]] = {c: [] for c in args.clients}
+    offline: list[float] = []
     for p in range(args.processes):
         for side in (("served", "offline") if p % 2 == 0 else ("offline", "served")):
             if side == "served":
                 with serve(args.model, *opts) as url:
                     asyncio.run(served_tpot(url, prompt_of(wl, 998), 8 + 1))  # warm-up
-                    served += [asyncio.run(served_tpot(url, prompt_of(wl, 100 * p + r), new))
-                               for r in range(args.rounds)]
+                    for r in range(args.rounds):
+                        served_round(url, wl, 100 * p + 10 * r, new, served)
             else:
                 cmd = [sys.executable, __file__, args.model, args.workload, "--dtype", args.dtype, "--rounds",
                        str(args.rounds), "--offline-only"]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                 offline += json.loads(out.strip().splitlines()[-1])
-        print(f"processes {p}: served best {min(served[-args.rounds:]):.2f} ms, offline best "
-              f"{min(offline[-args.rounds:]):.2f} ms", flush=True)
+        bests = ", ".join(f"served ({c}) best {min(v[-args.rounds:]):.2f} ms" for c, v in served.items())
+        print(f"processes {p}: {bests}, offline best {min(offline[-args.rounds:]):.2f} ms", flush=True)
     return served, offline
 
 
-def one_process(wl: dict, new: int, opts: list[str]) -> tuple[list[float], list[float]]:
+def one_process(wl: dict, new: int, opts: list[str]) -> tuple[dict[str, list[float]], list[float]]:
     """One server and the offline `LLM` in this process, rounds alternating."""
-    served, offline = [], []
+    served: dict[str, list[float]] = {c: [] for c in args.clients}
+    offline: list[float] = []
     with serve(args.model, *opts) as url:
         llm, greedy = offline_llm(wl)
         asyncio.run(served_tpot(url, prompt_of(wl, 998), 8 + 1))  # warm-up
         for r in range(args.rounds):
             for side in (("served", "offline") if r % 2 == 0 else ("offline", "served")):
                 if side == "served":
-                    served.append(asyncio.run(served_tpot(url, prompt_of(wl, 2 * r), new)))
+                    served_round(url, wl, 10 * r, new, served)
                 else:
-                    offline.append(offline_tpot(llm, greedy, prompt_of(wl, 2 * r + 1)))
-            print(f"round {r}: served {served[-1]:.1f} ms, offline {offline[-1]:.1f} ms", flush=True)
+                    offline.append(offline_tpot(llm, greedy, prompt_of(wl, 10 * r + 5)))
+            now = ", ".join(f"served ({c}) {v[-1]:.2f} ms" for c, v in served.items())
+            print(f"round {r}: {now}, offline {offline[-1]:.2f} ms", flush=True)
     return served, offline
 
 
@@ -112,9 +177,12 @@ def main() -> None:
     served, offline = fresh_processes(wl, new, opts) if args.processes > 1 else one_process(wl, new, opts)
     res = {"model": args.model, "dtype": args.dtype, "processes": args.processes, "rounds": args.rounds,
            "load_average": os.getloadavg(), "date": time.ctime(),
-           "served_tpot_ms": served, "offline_tpot_ms": offline,
-           "best_served_ms": min(served), "best_offline_ms": min(offline),
-           "served_over_offline": min(served) / min(offline)}
+           "clients": args.clients, "offline_tpot_ms": offline, "best_offline_ms": min(offline)}
+    for c, v in served.items():  # the httpx figures keep their old names
+        key = "" if c == "httpx" else f"_{c}"
+        res.update({f"served{key}_tpot_ms": v, f"best_served{key}_ms": min(v),
+                    f"served{key}_over_offline": min(v) / min(offline),
+                    f"served{key}_median_over_offline_median": statistics.median(v) / statistics.median(offline)})
     print(json.dumps(res, indent=1))
     if args.out:
         json.dump(res, open(args.out, "w"), indent=1)
