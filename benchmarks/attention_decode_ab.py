@@ -38,7 +38,8 @@ def build(rev: str | None, isa: str, tag: str):
     for path in SOURCES:
         src = (subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True).stdout
                if rev else Path(path).read_text())
-        src = re.sub(r"\bllmrt_attn\b", f"llmrt_attn_{tag}", src).replace("llmrt_attn_bf16dot", f"llmrt_attn_{tag}_bf16dot")
+        src = re.sub(r"\bllmrt_attn\b", f"llmrt_attn_{tag}", src)
+        src = src.replace("llmrt_attn_bf16dot", f"llmrt_attn_{tag}_bf16dot")  # its own switch, not the tree's
         (d / path).parent.mkdir(parents=True, exist_ok=True)
         (d / path).write_text(src)
     load_or_compile("attention-baseline", f"llmrt_paged_decode_{tag}", [d / SOURCES[0]], _CFLAGS + ISA_FLAGS[isa],

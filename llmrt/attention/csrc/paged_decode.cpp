@@ -142,13 +142,15 @@ __attribute__((always_inline)) inline void prefetch_row(const KV* row, int64_t b
 // are in order (a fresh engine's prompts: one run); only the rows right after a break (0.94x shuffled) was too few.
 constexpr int64_t K_AHEAD = 8, RAMP_TOKENS = 16;
 
-// row: elements a cached token (its KV heads); bytes: the unit's part of a row. Always inlined: a call from the
-// vdpbf16ps K pass (another target) spilled its vector registers every token (1.3x the kernel's time).
+// row_elems: elements a cached token (its KV heads); bytes: the unit's part of a row. Always inlined: a call from
+// the vdpbf16ps K pass (another target) spilled its vector registers every token (1.3x the kernel's time).
 template <typename KV>
-__attribute__((always_inline)) inline void prefetch_k_ahead(const KV* k_cache, const int64_t* offs, int64_t t, int64_t n, int64_t row,
-                             int64_t bytes) {
+__attribute__((always_inline)) inline void prefetch_k_ahead(const KV* k_cache, const int64_t* offs, int64_t t,
+                                                            int64_t n, int64_t row_elems, int64_t bytes) {
   const int64_t a = t + K_AHEAD, back = std::min(a, RAMP_TOKENS);
-  if (a < n && (back < RAMP_TOKENS || offs[a] != offs[a - back] + back * row)) prefetch_row(k_cache + offs[a], bytes);
+  if (a < n && (back < RAMP_TOKENS || offs[a] != offs[a - back] + back * row_elems)) {
+    prefetch_row(k_cache + offs[a], bytes);
+  }
 }
 
 }  // namespace
@@ -166,7 +168,7 @@ namespace {
 template <int NC>
 __attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq"))) void k_pass_bf16dot_impl(
     const c10::BFloat16* qin, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* offs,
-    int64_t n, int64_t row, int64_t per, int64_t group, float sc, float* scores, int64_t np, vf* dots) {
+    int64_t n, int64_t row_elems, int64_t per, int64_t group, float sc, float* scores, int64_t np, vf* dots) {
   constexpr int NP = NC / 2;  // 512-bit registers of 32 bf16 a head row
   constexpr int64_t dim = NC * L;
   const int64_t nh = per * group;
@@ -177,7 +179,7 @@ __attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq"))) void k_
     const int64_t m = std::min<int64_t>(L, n - t0);
     for (int64_t i = 0; i < m; ++i) {
       prefetch_row(v_cache + offs[t0 + i], per * dim * 2);
-      prefetch_k_ahead(k_cache, offs, t0 + i, n, row, per * dim * 2);
+      prefetch_k_ahead(k_cache, offs, t0 + i, n, row_elems, per * dim * 2);
       const c10::BFloat16* krow = k_cache + offs[t0 + i];
       for (int64_t hh = 0; hh < per; ++hh) {
         __m512i kb[NP];
@@ -202,12 +204,12 @@ __attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq"))) void k_
 // Runs the vdpbf16ps K pass and returns true where it applies (AVX-512 build, bf16 query and cache, head_dim a
 // multiple of 32, llmrt_attn_bf16dot set); false: the caller's FMA K pass.
 template <int NC, typename KV, typename Q>
-bool k_pass_bf16dot(const Q* qin, const KV* k_cache, const KV* v_cache, const int64_t* offs, int64_t n, int64_t row,
-                    int64_t per, int64_t group, float sc, float* scores, int64_t np, vf* dots) {
+bool k_pass_bf16dot(const Q* qin, const KV* k_cache, const KV* v_cache, const int64_t* offs, int64_t n,
+                    int64_t row_elems, int64_t per, int64_t group, float sc, float* scores, int64_t np, vf* dots) {
 #if defined(LLMRT_AVX512)
   if constexpr (std::is_same_v<KV, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16> && NC % 2 == 0 && L == 16) {
     if (llmrt_attn_bf16dot && per * group <= 64) {
-      k_pass_bf16dot_impl<NC>(qin, k_cache, v_cache, offs, n, row, per, group, sc, scores, np, dots);
+      k_pass_bf16dot_impl<NC>(qin, k_cache, v_cache, offs, n, row_elems, per, group, sc, scores, np, dots);
       return true;
     }
   }
@@ -229,8 +231,8 @@ constexpr int64_t k_heads_max() {
   return std::max<int64_t>(1, KBUF_BYTES / (L * NC * static_cast<int64_t>(sizeof(vf))));
 }
 template <int NC, typename KV>
-void k_pass_fma(const vf* q, const KV* k_cache, const KV* v_cache, const int64_t* offs, int64_t n, int64_t row,
-                int64_t per, int64_t group, float sc, float* scores, int64_t np, vf* kbuf) {
+void k_pass_fma(const vf* q, const KV* k_cache, const KV* v_cache, const int64_t* offs, int64_t n,
+                int64_t row_elems, int64_t per, int64_t group, float sc, float* scores, int64_t np, vf* kbuf) {
   constexpr int64_t dim = NC * L, hmax = k_heads_max<NC>();
   const int64_t unit_bytes = per * dim * static_cast<int64_t>(sizeof(KV));
   for (int64_t t0 = 0; t0 < n; t0 += L) {
@@ -241,7 +243,7 @@ void k_pass_fma(const vf* q, const KV* k_cache, const KV* v_cache, const int64_t
         const int64_t off = offs[t0 + std::min(i, m - 1)];
         if (h0 == 0 && i < m) {
           prefetch_row(v_cache + off, unit_bytes);
-          prefetch_k_ahead(k_cache, offs, t0 + i, n, row, unit_bytes);
+          prefetch_k_ahead(k_cache, offs, t0 + i, n, row_elems, unit_bytes);
         }
         const KV* row = k_cache + off + h0 * dim;
         vf* dst = kbuf + i * hn * NC;
