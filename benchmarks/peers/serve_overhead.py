@@ -9,6 +9,8 @@ The client runs on the same cores as the server and the engine. `--clients httpx
 client `llmrt bench serve` uses (httpx, ~0.45-0.55 ms of CPU a token on a 2-core Zen 4); `raw` reads the stream
 with one blocking socket and no HTTP library (one `recv` a chunk), so that less of what the served figure includes
 is the client's own work. `--clients httpx raw` alternates both on the same server; each is reported apart.
+`nostream` times a plain (non-streamed) request by the server's own TPOT: on the same server process it cancels
+this host's per-process speed draw, so streamed / nostream is the per-token cost of SSE and its client alone.
 
 With --processes N, each side runs in N fresh processes (a server, and the offline `LLM` in a child process),
 alternating, `--rounds` rounds each, best of all: on hosts where each process draws its own decode speed (the
@@ -39,8 +41,9 @@ ap.add_argument("workload")
 ap.add_argument("--dtype", default="float32")
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--processes", type=int, default=1, help="fresh processes per side (best of all)")
-ap.add_argument("--clients", nargs="+", choices=("httpx", "raw"), default=["httpx"],
-                help="stream readers to time on the server, alternating (default: httpx)")
+ap.add_argument("--clients", nargs="+", choices=("httpx", "raw", "nostream"), default=["httpx"],
+                help="stream readers to time on the server, alternating (default: httpx); nostream: one plain "
+                     "response, TPOT from the server's own timing (`llmrt.tpot`), no per-token HTTP work")
 ap.add_argument("--out")
 ap.add_argument("--offline-only", action="store_true", help=argparse.SUPPRESS)  # a child of --processes
 args = ap.parse_args()
@@ -106,11 +109,26 @@ def raw_tpot(url: str, prompt: list[int], new: int) -> float:
     return (times[-1] - times[0]) / (new - 1) * 1e3
 
 
+def nostream_tpot(url: str, prompt: list[int], new: int) -> float:
+    """The server's own TPOT (its `llmrt` timing object) of one non-streamed request: the engine core and the API
+    process's output handling, without SSE chunks or a client reading them per token."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": new, "temperature": 0.0, "ignore_eos": True,
+            "min_tokens": new}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=600.0)
+    r.raise_for_status()
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == new, out["usage"]
+    return out["llmrt"]["tpot"] * 1e3
+
+
 def served_round(url: str, wl: dict, base: int, new: int, served: dict[str, list[float]]) -> None:
     """One streamed request per client in --clients, in turn, each with its own prompt (no prefix-cache hit)."""
     for i, c in enumerate(args.clients):
         prompt = prompt_of(wl, base + 7 * i)
-        served[c].append(asyncio.run(served_tpot(url, prompt, new)) if c == "httpx" else raw_tpot(url, prompt, new))
+        if c == "httpx":
+            served[c].append(asyncio.run(served_tpot(url, prompt, new)))
+        else:
+            served[c].append(raw_tpot(url, prompt, new) if c == "raw" else nostream_tpot(url, prompt, new))
 
 
 def offline_llm(wl: dict) -> tuple[LLM, SamplingParams]:
@@ -183,6 +201,10 @@ def main() -> None:
         res.update({f"served{key}_tpot_ms": v, f"best_served{key}_ms": min(v),
                     f"served{key}_over_offline": min(v) / min(offline),
                     f"served{key}_median_over_offline_median": statistics.median(v) / statistics.median(offline)})
+    for c in served:  # streamed over plain on the same server, round by round (the same process's speed)
+        if c != "nostream" and "nostream" in served:
+            res[f"{c}_over_nostream_per_round"] = [a / b for a, b in zip(served[c], served["nostream"])]
+            res[f"{c}_over_nostream_median"] = statistics.median(res[f"{c}_over_nostream_per_round"])
     print(json.dumps(res, indent=1))
     if args.out:
         json.dump(res, open(args.out, "w"), indent=1)
