@@ -129,29 +129,19 @@ inline vf sum_rows(vf* v) {
 // Asks for a token's row of the unit's heads (`bytes` of it) to be brought into L2. V: while the K pass reads the
 // same token's K row, so that the V pass finds it there. Measured (64 W1-like sequences, 12 layers, 2 threads,
 // bf16): 18.7 -> 15.2 ms with the blocks in order, 22.4 -> 17.7 ms shuffled; into L1 (locality 3) only 0.91x.
-// K: the row K_AHEAD tokens on, where that row is within RAMP_TOKENS of a break in the unit's run of rows (blocks
-// lie anywhere in the cache): there the hardware prefetcher has lost the stream or not yet picked it up again.
+// K: the row K_AHEAD tokens on, which crosses into the next block before the K pass gets there (blocks lie anywhere
+// in a cache that has been in use a while, and the hardware prefetcher loses the stream at each block's start).
 template <typename KV>
-__attribute__((always_inline)) inline void prefetch_row(const KV* row, int64_t bytes) {
+inline void prefetch_row(const KV* row, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
 }
-// Measured on a Zen 4 (64 W1-like sequences, contexts 64-640 in shuffled blocks of 16, 12 layers, 2 threads,
-// bf16, vdpbf16ps K pass, caches cold): 4 / 8 / 12 / 16 tokens ahead 0.81 / 0.71-0.73 / 0.75 / 0.79x the time
-// without. Prefetching every row ahead cost the AVX2 build's FMA K pass 1.06-1.11x where each sequence's blocks
-// are in order (a fresh engine's prompts: one run); only the rows right after a break (0.94x shuffled) was too few.
-constexpr int64_t K_AHEAD = 8, RAMP_TOKENS = 16;
-
-// row_elems: elements a cached token (its KV heads); bytes: the unit's part of a row. Always inlined: a call from
-// the vdpbf16ps K pass (another target) spilled its vector registers every token (1.3x the kernel's time).
-template <typename KV>
-__attribute__((always_inline)) inline void prefetch_k_ahead(const KV* k_cache, const int64_t* offs, int64_t t,
-                                                            int64_t n, int64_t row_elems, int64_t bytes) {
-  const int64_t a = t + K_AHEAD, back = std::min(a, RAMP_TOKENS);
-  if (a < n && (back < RAMP_TOKENS || offs[a] != offs[a - back] + back * row_elems)) {
-    prefetch_row(k_cache + offs[a], bytes);
-  }
-}
+// Measured on a Zen 4 (benchmarks/attention_decode_ab.py: 64 W1-like sequences, contexts 64-640 in shuffled blocks
+// of 16, 12 layers, 2 threads, bf16, vdpbf16ps K pass, caches cold): 4 / 8 / 12 / 16 tokens ahead 0.81 / 0.71-0.74
+// / 0.75 / 0.79x the time without; with each sequence's blocks in order (a fresh engine's prompts) level (0.94-1.07x
+// between runs, either build). Prefetching only near a break in a run of rows measured the same as every row (3
+// runs, AVX2 build: 0.93-1.14x in order, 0.96-1.05x shuffled), so every row it is.
+constexpr int64_t K_AHEAD = 8;
 
 }  // namespace
 
@@ -168,7 +158,7 @@ namespace {
 template <int NC>
 __attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq"))) void k_pass_bf16dot_impl(
     const c10::BFloat16* qin, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* offs,
-    int64_t n, int64_t row_elems, int64_t per, int64_t group, float sc, float* scores, int64_t np, vf* dots) {
+    int64_t n, int64_t per, int64_t group, float sc, float* scores, int64_t np, vf* dots) {
   constexpr int NP = NC / 2;  // 512-bit registers of 32 bf16 a head row
   constexpr int64_t dim = NC * L;
   const int64_t nh = per * group;
@@ -179,7 +169,7 @@ __attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq"))) void k_
     const int64_t m = std::min<int64_t>(L, n - t0);
     for (int64_t i = 0; i < m; ++i) {
       prefetch_row(v_cache + offs[t0 + i], per * dim * 2);
-      prefetch_k_ahead(k_cache, offs, t0 + i, n, row_elems, per * dim * 2);
+      if (t0 + i + K_AHEAD < n) prefetch_row(k_cache + offs[t0 + i + K_AHEAD], per * dim * 2);
       const c10::BFloat16* krow = k_cache + offs[t0 + i];
       for (int64_t hh = 0; hh < per; ++hh) {
         __m512i kb[NP];
@@ -204,12 +194,12 @@ __attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq"))) void k_
 // Runs the vdpbf16ps K pass and returns true where it applies (AVX-512 build, bf16 query and cache, head_dim a
 // multiple of 32, llmrt_attn_bf16dot set); false: the caller's FMA K pass.
 template <int NC, typename KV, typename Q>
-bool k_pass_bf16dot(const Q* qin, const KV* k_cache, const KV* v_cache, const int64_t* offs, int64_t n,
-                    int64_t row_elems, int64_t per, int64_t group, float sc, float* scores, int64_t np, vf* dots) {
+bool k_pass_bf16dot(const Q* qin, const KV* k_cache, const KV* v_cache, const int64_t* offs, int64_t n, int64_t per,
+                    int64_t group, float sc, float* scores, int64_t np, vf* dots) {
 #if defined(LLMRT_AVX512)
   if constexpr (std::is_same_v<KV, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16> && NC % 2 == 0 && L == 16) {
     if (llmrt_attn_bf16dot && per * group <= 64) {
-      k_pass_bf16dot_impl<NC>(qin, k_cache, v_cache, offs, n, row_elems, per, group, sc, scores, np, dots);
+      k_pass_bf16dot_impl<NC>(qin, k_cache, v_cache, offs, n, per, group, sc, scores, np, dots);
       return true;
     }
   }
@@ -231,8 +221,8 @@ constexpr int64_t k_heads_max() {
   return std::max<int64_t>(1, KBUF_BYTES / (L * NC * static_cast<int64_t>(sizeof(vf))));
 }
 template <int NC, typename KV>
-void k_pass_fma(const vf* q, const KV* k_cache, const KV* v_cache, const int64_t* offs, int64_t n,
-                int64_t row_elems, int64_t per, int64_t group, float sc, float* scores, int64_t np, vf* kbuf) {
+void k_pass_fma(const vf* q, const KV* k_cache, const KV* v_cache, const int64_t* offs, int64_t n, int64_t per,
+                int64_t group, float sc, float* scores, int64_t np, vf* kbuf) {
   constexpr int64_t dim = NC * L, hmax = k_heads_max<NC>();
   const int64_t unit_bytes = per * dim * static_cast<int64_t>(sizeof(KV));
   for (int64_t t0 = 0; t0 < n; t0 += L) {
@@ -243,7 +233,7 @@ void k_pass_fma(const vf* q, const KV* k_cache, const KV* v_cache, const int64_t
         const int64_t off = offs[t0 + std::min(i, m - 1)];
         if (h0 == 0 && i < m) {
           prefetch_row(v_cache + off, unit_bytes);
-          prefetch_k_ahead(k_cache, offs, t0 + i, n, row_elems, unit_bytes);
+          if (t0 + i + K_AHEAD < n) prefetch_row(k_cache + offs[t0 + i + K_AHEAD], unit_bytes);
         }
         const KV* row = k_cache + off + h0 * dim;
         vf* dst = kbuf + i * hn * NC;
@@ -373,10 +363,9 @@ void decode_vec(const Q* q_in, const KV* k_cache, const KV* v_cache, const int64
           for (int64_t i = 0; i < L; ++i) q[j * NC + c][i] = static_cast<float>(qin[j * dim + c * L + i]);
         }
       }
-      if (!k_pass_bf16dot<NC>(qin, k_cache, v_cache, offs.data(), n, row, per, group, sc, scores.data(), np,
+      if (!k_pass_bf16dot<NC>(qin, k_cache, v_cache, offs.data(), n, per, group, sc, scores.data(), np,
                               dots.data())) {
-        k_pass_fma<NC>(q.data(), k_cache, v_cache, offs.data(), n, row, per, group, sc, scores.data(), np,
-                       kbuf.data());
+        k_pass_fma<NC>(q.data(), k_cache, v_cache, offs.data(), n, per, group, sc, scores.data(), np, kbuf.data());
       }
       for (int64_t j = 0; j < nh; ++j) {
         float* sg = scores.data() + j * np;
