@@ -122,7 +122,7 @@ def nostream_tpot(url: str, prompt: list[int], new: int) -> float:
 
 
 def served_round(url: str, wl: dict, base: int, new: int, served: dict[str, list[float]]) -> None:
-    """One streamed request per client in --clients, in turn, each with its own prompt (no prefix-cache hit)."""
+    """One request per client in --clients, in turn, each with its own prompt (no prefix-cache hit)."""
     for i, c in enumerate(args.clients):
         prompt = prompt_of(wl, base + 7 * i)
         if c == "httpx":
