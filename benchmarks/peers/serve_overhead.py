@@ -32,7 +32,7 @@ import time
 import httpx
 
 from llmrt import LLM, SamplingParams
-from llmrt.bench.client import stream_completion
+from llmrt.bench.client import RequestResult, apply_chunk, completion_body, stream_completion
 from llmrt.bench.server_process import serve
 
 ap = argparse.ArgumentParser()
@@ -64,12 +64,11 @@ async def served_tpot(url: str, prompt: list[int], new: int) -> float:
 
 
 def raw_tpot(url: str, prompt: list[int], new: int) -> float:
-    """served_tpot with a blocking socket and a hand-parsed HTTP/1.1 chunked SSE stream (no client library)."""
+    """served_tpot with a blocking socket and the HTTP/1.1 chunked stream parsed here (no client library); each
+    SSE event is folded in by the benchmark client's own `apply_chunk`."""
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": new, "temperature": 0.0, "stream": True,
-                       "ignore_eos": True, "min_tokens": new, "stream_options": {"include_usage": True}}).encode()
-    times: list[float] = []
-    tokens = 0
+    body = json.dumps(completion_body("m", prompt, new)).encode()
+    res = RequestResult(start=time.perf_counter())
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body))
@@ -96,25 +95,18 @@ def raw_tpot(url: str, prompt: list[int], new: int) -> float:
             *whole, events = events.split(b"\n\n")
             for ev in whole:
                 data = ev.removeprefix(b"data: ")
-                if data == b"[DONE]":
-                    done = True
+                done = data == b"[DONE]"
+                if done:
                     break
-                chunk = json.loads(data)
-                assert "error" not in chunk, chunk
-                if any(c.get("text") for c in chunk.get("choices") or []):
-                    times.append(now)
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-    assert tokens == new, (tokens, new)
-    return (times[-1] - times[0]) / (new - 1) * 1e3
+                apply_chunk(res, json.loads(data), now)
+    assert res.error is None and res.output_tokens == new, (res.error, res.output_tokens)
+    return (res.token_times[-1] - res.token_times[0]) / (new - 1) * 1e3
 
 
 def nostream_tpot(url: str, prompt: list[int], new: int) -> float:
     """The server's own TPOT (its `llmrt` timing object) of one non-streamed request: the engine core and the API
     process's output handling, without SSE chunks or a client reading them per token."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": new, "temperature": 0.0, "ignore_eos": True,
-            "min_tokens": new}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=600.0)
+    r = httpx.post(url + "/v1/completions", json=completion_body("m", prompt, new, stream=False), timeout=600.0)
     r.raise_for_status()
     out = r.json()
     assert out["usage"]["completion_tokens"] == new, out["usage"]

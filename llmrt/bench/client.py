@@ -58,13 +58,22 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str
                             max_tokens: int, *, ignore_eos: bool = True, extra: Optional[dict[str, Any]] = None,
                             timeout: float = 600.0) -> RequestResult:
     """POST a streaming /v1/completions request and time each chunk; never raises for HTTP or stream errors."""
+    body = completion_body(model, prompt, max_tokens, ignore_eos=ignore_eos, extra=extra)
+    return await stream_request(client, base_url.rstrip("/") + "/completions", body, timeout=timeout)
+
+
+def completion_body(model: str, prompt: Union[str, list[int]], max_tokens: int, *, stream: bool = True,
+                    ignore_eos: bool = True, extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """A greedy /v1/completions request body (streamed with a usage chunk at the end, unless stream is False)."""
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                            "stream": True, "stream_options": {"include_usage": True}}
+                            "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     if ignore_eos:
         # vLLM-style extras: fixed-length outputs make runs comparable across runtimes.
         body.update(ignore_eos=True, min_tokens=max_tokens)
     body.update(extra or {})
-    return await stream_request(client, base_url.rstrip("/") + "/completions", body, timeout=timeout)
+    return body
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
@@ -84,7 +93,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                _apply_chunk(result, json.loads(data), time.perf_counter())
+                apply_chunk(result, json.loads(data), time.perf_counter())
         result.ok = result.error is None
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"
@@ -93,7 +102,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
     return result
 
 
-def _apply_chunk(result: RequestResult, chunk: dict[str, Any], now: float) -> None:
+def apply_chunk(result: RequestResult, chunk: dict[str, Any], now: float) -> None:
+    """Fold one streamed chunk (a parsed SSE `data:` object) that arrived at `now` into `result`."""
     if "error" in chunk:
         result.error = json.dumps(chunk["error"])[:500]
         return

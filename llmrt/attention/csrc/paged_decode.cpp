@@ -143,6 +143,15 @@ inline void prefetch_row(const KV* row, int64_t bytes) {
 // runs, AVX2 build: 0.93-1.14x in order, 0.96-1.05x shuffled), so every row it is.
 constexpr int64_t K_AHEAD = 8;
 
+// What both K passes ask for at token t of n: its V row now, the K row K_AHEAD tokens on (`bytes` of each row).
+// Always inlined: a helper not inlined into the vdpbf16ps K pass (another target) spilled its registers every token.
+template <typename KV>
+__attribute__((always_inline)) inline void prefetch_at(const KV* k_cache, const KV* v_cache, const int64_t* offs,
+                                                       int64_t t, int64_t n, int64_t bytes) {
+  prefetch_row(v_cache + offs[t], bytes);
+  if (t + K_AHEAD < n) prefetch_row(k_cache + offs[t + K_AHEAD], bytes);
+}
+
 }  // namespace
 
 bool llmrt_attn_bf16dot = false;  // attention_common.h
@@ -168,8 +177,7 @@ __attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl,avx512dq"))) void k_
   for (int64_t t0 = 0; t0 < n; t0 += L) {
     const int64_t m = std::min<int64_t>(L, n - t0);
     for (int64_t i = 0; i < m; ++i) {
-      prefetch_row(v_cache + offs[t0 + i], per * dim * 2);
-      if (t0 + i + K_AHEAD < n) prefetch_row(k_cache + offs[t0 + i + K_AHEAD], per * dim * 2);
+      prefetch_at(k_cache, v_cache, offs, t0 + i, n, per * dim * 2);
       const c10::BFloat16* krow = k_cache + offs[t0 + i];
       for (int64_t hh = 0; hh < per; ++hh) {
         __m512i kb[NP];
@@ -231,10 +239,7 @@ void k_pass_fma(const vf* q, const KV* k_cache, const KV* v_cache, const int64_t
       const int64_t hn = std::min(hmax, per - h0);
       for (int64_t i = 0; i < L; ++i) {  // token i's hn heads: kbuf[(i * hn + hh) * NC + c]
         const int64_t off = offs[t0 + std::min(i, m - 1)];
-        if (h0 == 0 && i < m) {
-          prefetch_row(v_cache + off, unit_bytes);
-          if (t0 + i + K_AHEAD < n) prefetch_row(k_cache + offs[t0 + i + K_AHEAD], unit_bytes);
-        }
+        if (h0 == 0 && i < m) prefetch_at(k_cache, v_cache, offs, t0 + i, n, unit_bytes);
         const KV* row = k_cache + off + h0 * dim;
         vf* dst = kbuf + i * hn * NC;
         for (int64_t hh = 0; hh < hn; ++hh) {

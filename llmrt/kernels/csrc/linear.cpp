@@ -68,7 +68,8 @@ struct Dense {
 };
 
 // int4: chunks of 32 weights, 16 bytes per row (byte c = q[c] | q[c + 16] << 4), so a block's chunk is 64
-// bytes too. sz packed [Np/4][G][4][2] bf16 (scale, zero); w = (q-8)*s + z, computed as q*s + (z - 8s).
+// bytes too. sz packed [Np/4][G][4][2] bf16 (scale, zero); w = (q-8)*s + z, computed as q*s + (z - 8s). Its cursor
+// now serves `dequantize_int4` (unpack_blocks) only: every build's int4 GEMV is int_i16.h's.
 struct Int4 {
   static constexpr int KC = 32;
   static constexpr int CV = KC / VL;
@@ -356,8 +357,9 @@ namespace {
 // (int_i16.h); int8 the same on AVX2 and widened to fp32 in registers on AVX-512. On an AVX-512 Zen 4 EPYC the
 // widened int4 kernel (a 16-entry permute per 16 weights and the group's tables rebuilt every chunk) took 1.46-1.52x
 // the int16 kernel's time at 1-2 rows and 1.11-1.35x at 3-16 (the 124.7M model's 48 decoder linears, cold, fp32 and
-// bf16 activations; benchmarks/int4-i16-rows-avx512-2026-12-07.md). int8 keeps its widened kernel there: the int16 one (register tiles to 16 rows) took 1.04-1.07x
-// its time at 1 row, 0.92-1.04x at 2-4 and 0.65-0.78x at 8-12, and decode's single rows matter most.
+// bf16 activations; benchmarks/int4-i16-rows-avx512-2026-12-07.md). int8 keeps its widened kernel there: the int16
+// one (register tiles to 16 rows) took 1.04-1.07x its time at 1 row, 0.92-1.04x at 2-4 and 0.65-0.78x at 8-12, and
+// decode's single rows matter most.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, int64_t n,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() >= n,

@@ -51,22 +51,22 @@ inline float round_to(float f, const uint16_t*) {
 // vectorizes whatever the build's ISA. exp is Cephes' single-precision polynomial (about 1 ulp), computed the same
 // way in every lane and for the scalar tail (glibc's vector expf is only offered under -ffast-math, avoided here).
 inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-inline void vstore(uint16_t* p, vf v) {  // round to nearest even, NaN -> 0x7FC0, as store() per lane
+// Each lane's bf16 (round to nearest even, NaN -> 0x7FC0, as store()) in the high half of its 32 bits; the low
+// half is left over from the rounding (vstore shifts it out, vround_to clears it).
+inline vu bf16_high(vf v) {
   vu u;
   std::memcpy(&u, &v, sizeof(u));
-  const vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const vu out = (u & 0x7FFFFFFFu) > 0x7F800000u ? vu{} + 0x7FC0u : rounded;
-  const vh h = __builtin_convertvector(out, vh);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? vu{} + 0x7FC00000u : u + 0x7FFFu + ((u >> 16) & 1u);
+}
+inline void vstore(uint16_t* p, vf v) {
+  const vh h = __builtin_convertvector(bf16_high(v) >> 16, vh);
   std::memcpy(p, &h, sizeof(h));
 }
 inline vf vround_to(vf v, const float*) { return v; }
 inline vf vround_to(vf v, const uint16_t*) {  // vstore then vload, in registers
-  vu u;
-  std::memcpy(&u, &v, sizeof(u));
-  const vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  const vu out = (u & 0x7FFFFFFFu) > 0x7F800000u ? vu{} + 0x7FC00000u : rounded;
+  const vu b = bf16_high(v) & 0xFFFF0000u;
   vf r;
-  std::memcpy(&r, &out, sizeof(r));
+  std::memcpy(&r, &b, sizeof(r));
   return r;
 }
 
