@@ -2,7 +2,8 @@
 
 The inputs of every decoder linear layer are collected with llmrt's own model forward (paged KV cache, one prefill
 per calibration sequence) as the Hessian H = sum x x^T; layers are quantized one at a time in execution order
-(true-sequential: each layer's inputs come from the layers before it already quantized). The result is AutoGPTQ's
+(true-sequential: each layer's inputs come from the layers before it already quantized; `gptq_inputs.py` replays
+the finished decoder layers' outputs instead of recomputing them). The result is AutoGPTQ's
 format (`quant_method: gptq`, `checkpoint_format: gptq`, no act-order), which `gptq_awq.py` serves as int4.
 `--method rtn` writes the same format by round-to-nearest of the same group ranges, for comparison.
 """
@@ -24,6 +25,7 @@ from llmrt.config import ModelConfig
 from llmrt.errors import InvalidRequestError, UnsupportedError
 from llmrt.model.layers.linear import Linear
 from llmrt.model.loader import build_model, checkpoint_target, checkpoint_tensors, load_weights
+from llmrt.model.quantization.gptq_inputs import SequentialInputs, call_order, decoder_layers
 from llmrt.model.quantization.gptq_solver import (QuantSpec, dequantize, gptq_quantize, output_error, pack_gptq,
                                                   rtn_quantize)
 
@@ -61,10 +63,6 @@ class QuantizeReport:
     calibration_tokens: int
     layers: list[LayerResult]
     seconds: float
-
-
-class _Stop(Exception):
-    """Raised by a hook once the layer being calibrated has seen its input: the rest of the forward is not needed."""
 
 
 def calibration_samples(model_dir: str, opts: CalibrationOptions) -> list[list[int]]:
@@ -112,66 +110,54 @@ def _float_model(model_dir: str, device: str) -> tuple[nn.Module, ModelConfig]:
     return model.eval(), cfg
 
 
-def _decoder_linears(model: nn.Module, sample: list[int]) -> list[tuple[str, Linear]]:
-    """The decoder's linear layers (not the LM head) in the order one forward calls them."""
-    from llmrt.bench.quality import prefill
-
-    order: list[tuple[str, Linear]] = []
-    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: order.append((n, mod)))
-             for n, m in model.named_modules() if isinstance(m, Linear) and not n.endswith("lm_head")]
-    try:
-        prefill(model, torch.float32, sample[:8], chunk=8)
-    finally:
-        for h in hooks:
-            h.remove()
-    seen: dict[str, Linear] = {}
-    for n, m in order:
-        seen.setdefault(n, m)
-    return list(seen.items())
-
-
-def _hessian(model: nn.Module, layer: Linear, samples: list[list[int]]) -> torch.Tensor:
-    """sum x x^T over every token's input to `layer`, the forward stopped right after it."""
-    from llmrt.bench.quality import prefill
-
-    h = torch.zeros(layer.in_features, layer.in_features, dtype=torch.float64, device=layer.weight.device)
-
-    def hook(mod: nn.Module, args: tuple) -> None:
-        x = args[0].reshape(-1, layer.in_features).float()
-        h.add_((x.t() @ x).double())
-        raise _Stop
-
-    handle = layer.register_forward_pre_hook(hook)
-    try:
-        for tokens in samples:
-            try:
-                prefill(model, torch.float32, tokens, block_size=16, chunk=len(tokens))
-            except _Stop:
-                pass
-    finally:
-        handle.remove()
-    return h
+def _quantize_one(name: str, layer: Linear, h: torch.Tensor, opts: CalibrationOptions
+                  ) -> tuple[tuple[torch.Tensor, ...], LayerResult]:
+    """GPTQ (or RTN) of one layer given its input Hessian; its weights become the dequantized ones."""
+    w = layer.weight.data
+    k = w.shape[1]
+    pad = -k % opts.spec.group_size  # zero inputs up to whole groups, as the int4 storage pads them
+    wp, hp = torch.nn.functional.pad(w, (0, pad)), torch.nn.functional.pad(h, (0, pad, 0, pad))
+    rtn = rtn_quantize(wp, opts.spec)
+    qzs = gptq_quantize(wp, hp, opts.spec, opts.damp) if opts.method == "gptq" else rtn
+    wq = dequantize(*qzs, opts.spec.group_size)[:, :k]
+    result = LayerResult(name, output_error(w, wq, h), output_error(w, dequantize(*rtn, opts.spec.group_size)[:, :k], h))
+    logger.info("%s: output error %.4g (round-to-nearest %.4g)", name, result.error, result.rtn_error)
+    layer.weight.data = wq.to(w.dtype)
+    return tuple(t.cpu() for t in qzs), result
 
 
 def quantize_layers(model: nn.Module, samples: list[list[int]], opts: CalibrationOptions
                     ) -> tuple[dict[str, tuple[torch.Tensor, ...]], list[LayerResult]]:
     """Quantize every decoder linear in order, each on inputs from the already-quantized ones before it
     (its weights replaced by their dequantized values). Returns ({name: (q, z, s)}, results)."""
+    order = call_order(model, samples[0])
+    linears = [n for n, m in order if isinstance(m, Linear)]
+    prefix, layers = decoder_layers(model, linears[0])
+    inputs = SequentialInputs(model, samples)
     quantized, results = {}, []
-    for name, layer in _decoder_linears(model, samples[0]):
-        w = layer.weight.data
-        k = w.shape[1]
-        h = _hessian(model, layer, samples)
-        pad = -k % opts.spec.group_size  # zero inputs up to whole groups, as the int4 storage pads them
-        wp, hp = torch.nn.functional.pad(w, (0, pad)), torch.nn.functional.pad(h, (0, pad, 0, pad))
-        rtn = rtn_quantize(wp, opts.spec)
-        qzs = gptq_quantize(wp, hp, opts.spec, opts.damp) if opts.method == "gptq" else rtn
-        wq = dequantize(*qzs, opts.spec.group_size)[:, :k]
-        rtn_err = output_error(w, dequantize(*rtn, opts.spec.group_size)[:, :k], h)
-        results.append(LayerResult(name, output_error(w, wq, h), rtn_err))
-        logger.info("%s: output error %.4g (round-to-nearest %.4g)", name, results[-1].error, rtn_err)
-        layer.weight.data = wq.to(w.dtype)
-        quantized[name] = tuple(t.cpu() for t in qzs)
+    try:
+        for i, decoder_layer in enumerate(layers):
+            modules = [(n, m) for n, m in order if n.startswith(f"{prefix}.{i}.")]
+            attention: Optional[nn.Module] = None  # one whose inputs are final: replayed once recorded
+            for name, module in modules:
+                if not isinstance(module, Linear):
+                    attention = module
+                    continue
+                h, recorded = inputs.hessian(module, record=attention)
+                if attention is not None:
+                    inputs.replay(attention, recorded)
+                    attention = None
+                quantized[name], result = _quantize_one(name, module, h, opts)
+                results.append(result)
+            if i + 1 < len(layers):
+                outputs = inputs.outputs(decoder_layer)
+                for done in layers[:i + 1]:  # the earlier layers' outputs are not read: one list, the latest
+                    inputs.replay(done, outputs)
+    finally:
+        inputs.close()
+    if len(quantized) != len(linears):
+        raise UnsupportedError(f"{len(linears) - len(quantized)} decoder linear(s) outside {prefix}: cannot "
+                               "calibrate them layer by layer")
     return quantized, results
 
 

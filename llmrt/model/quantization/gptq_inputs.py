@@ -1,0 +1,143 @@
+"""The inputs GPTQ calibrates each decoder linear on, one decoder layer at a time (true-sequential).
+
+Each calibration sequence is prefilled through llmrt's own model and a paged KV cache. Instead of re-running the
+model's prefix for every linear, the decoder layers already quantized *replay* their recorded outputs (the last
+one's, for the sequence at hand), so a forward computes the embedding and the current layer only; within a layer,
+once the linears before its attention are quantized, the attention replays its outputs too. The values are those
+a full forward over the already-quantized layers computes, so the Hessians are unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from llmrt.attention import build_common_metadata, select_attention_backend
+from llmrt.attention.kv_quant import allocate_kv
+from llmrt.errors import UnsupportedError
+from llmrt.model.layers.attention import Attention
+from llmrt.model.layers.linear import Linear
+
+BLOCK_SIZE = 16
+
+
+class _Stop(Exception):
+    """Raised by a hook once what a pass needs is seen: the rest of the forward is not computed."""
+
+
+def _clone(out: Any) -> Any:
+    # The fused residual-add + norm updates its inputs in place: a replayed output must be a fresh copy each time.
+    return tuple(_clone(t) for t in out) if isinstance(out, tuple) else out.clone()
+
+
+def call_order(model: nn.Module, sample: list[int]) -> list[tuple[str, nn.Module]]:
+    """The decoder's linear layers (not the LM head) and attention modules in the order one forward calls them."""
+    order: list[tuple[str, nn.Module]] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: order.append((n, mod)))
+             for n, m in model.named_modules()
+             if (isinstance(m, Linear) and not n.endswith("lm_head")) or isinstance(m, Attention)]
+    inputs = SequentialInputs(model, [sample[:8]])
+    try:
+        inputs.run()
+    finally:
+        inputs.close()
+        for h in hooks:
+            h.remove()
+    seen: dict[str, nn.Module] = {}
+    for n, m in order:
+        seen.setdefault(n, m)
+    return list(seen.items())
+
+
+def decoder_layers(model: nn.Module, linear_name: str) -> tuple[str, nn.ModuleList]:
+    """(name, module) of the list of decoder layers that holds the linear `linear_name`."""
+    parts = linear_name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module = model.get_submodule(".".join(parts[:i]))
+        if isinstance(module, nn.ModuleList):
+            return ".".join(parts[:i]), module
+    raise UnsupportedError(f"{linear_name} is not inside a list of decoder layers: cannot calibrate it layer by layer")
+
+
+class SequentialInputs:
+    """The calibration sequences, each prefilled in one chunk through one paged KV cache bound once; modules can be
+    set to replay recorded outputs instead of computing."""
+
+    def __init__(self, model: nn.Module, samples: list[list[int]]):
+        self.model, self.samples, self.index = model, samples, 0
+        device = next(model.parameters()).device
+        backend = select_attention_backend("torch", device)
+        blocks = -(-max(map(len, samples)) // BLOCK_SIZE)
+        caches = allocate_kv(model.kv_cache_spec(), blocks, BLOCK_SIZE, torch.float32, "auto", device)
+        for layer, (k, v) in zip(model.attention_layers(), caches):
+            layer.bind(k, v, backend)
+        self.inputs = []
+        for tokens in samples:  # every sequence starts at block 0: each prefill overwrites the last one's KV
+            pos = torch.arange(len(tokens))
+            common = build_common_metadata([list(range(-(-len(tokens) // BLOCK_SIZE)))], [len(tokens)],
+                                           [len(tokens)], pos, 0, BLOCK_SIZE, device)
+            self.inputs.append((torch.tensor(tokens, device=device), pos.to(device), backend.build_metadata(common)))
+        self.patched: dict[nn.Module, Any] = {}
+
+    def run(self) -> None:
+        """One forward per sequence, each stopped where a hook raises _Stop."""
+        for i, args in enumerate(self.inputs):
+            self.index = i
+            try:
+                self.model(*args)
+            except _Stop:
+                pass
+
+    def replay(self, module: nn.Module, outputs: list[Any]) -> None:
+        """From now on `module` returns (a copy of) its recorded output for the sequence being run."""
+        self.patched.setdefault(module, module.__dict__.get("forward"))
+        module.forward = lambda *args, **kwargs: _clone(outputs[self.index])
+
+    def outputs(self, module: nn.Module, stop: bool = True) -> list[Any]:
+        """`module`'s output for every sequence (the forward stopped right after it unless `stop` is False)."""
+        out: list[Any] = []
+
+        def hook(mod: nn.Module, args: tuple, result: Any) -> None:
+            out.append(_clone(result))
+            if stop:
+                raise _Stop
+
+        handle = module.register_forward_hook(hook)
+        try:
+            self.run()
+        finally:
+            handle.remove()
+        return out
+
+    def hessian(self, layer: Linear, record: Optional[nn.Module] = None) -> tuple[torch.Tensor, list[Any]]:
+        """(sum x x^T over every token's input to `layer`, the forward stopped right after it; the outputs of
+        `record`, a module run before `layer`, on the same pass)."""
+        h = torch.zeros(layer.in_features, layer.in_features, dtype=torch.float64, device=layer.weight.device)
+        recorded: list[Any] = []
+
+        def pre_hook(mod: nn.Module, args: tuple) -> None:
+            x = args[0].reshape(-1, layer.in_features).float()
+            h.add_((x.t() @ x).double())
+            raise _Stop
+
+        handles = [layer.register_forward_pre_hook(pre_hook)]
+        if record is not None:
+            handles.append(record.register_forward_hook(lambda mod, args, out: recorded.append(_clone(out))))
+        try:
+            self.run()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return h, recorded
+
+    def close(self) -> None:
+        """Every module computes again; the KV cache is unbound."""
+        for module, forward in self.patched.items():
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward
+        self.patched.clear()
+        for layer in self.model.attention_layers():
+            layer.bind(None, None, None)
