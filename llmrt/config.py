@@ -60,6 +60,10 @@ class ModelConfig:
     # The LM head's format: auto (int8 with --quantization int8/int4; from a GGUF, only if the file's is quantized),
     # int8, or none (the model dtype). Resolved in __post_init__ (quantization.resolve_lm_head).
     lm_head_quantization: str = "auto"
+    # int4 only: "builtin" or a text file to calibrate on by GPTQ at load (the checkpoint cached; gptq_at_load.py);
+    # "none": the data-free fit. Its sequences, `llmrt quantize`'s default 128 unless set.
+    quant_calibration: str = "none"
+    quant_calibration_samples: int = 128
     # CPU: whether fp32/bf16 layers packed for llmrt's kernels also keep dense weights for steps larger than the
     # kernels take (auto: when the copies fit in 1/8 of memory; kernels.packed.keep_dense_copy), or unpack per step.
     dense_weight_copy: str = "auto"
@@ -86,11 +90,16 @@ class ModelConfig:
         else:
             self.hf_config = json.loads(cfg.read_text())
         self.torch_dtype = parse_dtype(self.dtype, self.hf_config)
+        from llmrt.model.quantization.gptq_at_load import check_calibration
+
+        self.quant_calibration = check_calibration(self.quant_calibration, self.quantization, self.model,
+                                                   self.hf_config, self.quant_calibration_samples)
         self._checkpoint_quantization()
         from llmrt.model.quantization import resolve_lm_head
 
         self.lm_head_quantization = resolve_lm_head(self.lm_head_quantization, self.quantization,
-                                                    str(path) if is_gguf(str(path)) else None)
+                                                    str(path) if is_gguf(str(path)) else None,
+                                                    calibrated=self.quant_calibration != "none")
         limit = self.derived_max_len()
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -136,6 +145,17 @@ class ModelConfig:
         """What get_quantization_config needs besides the name: the group size and the checkpoint's own config."""
         return {"group_size": self.quant_group_size, "checkpoint": self.hf_config.get("quantization_config"),
                 "lm_head": self.lm_head_quantization}
+
+    @property
+    def quantization_label(self) -> str:
+        """How the weights are quantized in words: 'int4 g32', 'int4 g32 gptq (builtin calibration)', 'none'."""
+        if not self.quantization:
+            return "none"
+        label = f"{self.quantization} g{self.quant_group_size}" if self.quantization == "int4" else self.quantization
+        if self.quant_calibration != "none":
+            source = "builtin" if self.quant_calibration == "builtin" else Path(self.quant_calibration).name
+            label += f" gptq ({source} calibration, {self.quant_calibration_samples} samples)"
+        return label
 
     def derived_max_len(self) -> int:
         """The model's own context limit from its config."""
@@ -336,6 +356,10 @@ class EngineConfig:
         if pp > 1:
             from llmrt.distributed.sizes import check_pipeline_parallel
 
+            if self.model.quant_calibration != "none":  # each stage would calibrate the whole model again
+                raise UnsupportedError("--quant-calibration is not run per pipeline stage; calibrate once with "
+                                       "`llmrt quantize` and serve that checkpoint", param="quant_calibration")
+
             check_pipeline_parallel(self.model.hf_config, self.model.architecture, pp)
             if self.speculative.method == "draft":
                 raise UnsupportedError("a draft model is not split into pipeline stages yet; use "
@@ -352,11 +376,12 @@ class EngineConfig:
         from llmrt.model.gguf_file import is_gguf
 
         # Their loaders place whole pre-quantized rows; they do not cut them into per-rank slices yet.
-        if self.model.hf_config.get("quantization_config") or (
+        if self.model.hf_config.get("quantization_config") or self.model.quant_calibration != "none" or (
                 is_gguf(str(self.model.model)) and self.model.quantization == "int4"):
-            raise UnsupportedError("pre-quantized 4-bit checkpoints (GPTQ, AWQ, GGUF 4-bit kept as int4) are not split "
-                                   "over tensor-parallel ranks yet; use --tensor-parallel-size 1, or a GGUF with "
-                                   "--quantization none|int8", param="tensor_parallel_size")
+            raise UnsupportedError("pre-quantized 4-bit checkpoints (GPTQ, AWQ, GGUF 4-bit kept as int4, and those "
+                                   "--quant-calibration writes) are not split over tensor-parallel ranks yet; use "
+                                   "--tensor-parallel-size 1, or a GGUF with --quantization none|int8",
+                                   param="tensor_parallel_size")
         if self.speculative.method == "draft":
             raise UnsupportedError("a draft model is not split over tensor-parallel ranks yet; use "
                                    "--speculative-method ngram or --tensor-parallel-size 1", param="speculative_method")
@@ -369,6 +394,9 @@ class EngineConfig:
         return {"dtype": str(self.model.torch_dtype).replace("torch.", ""), "quantization": self.model.quantization,
                 "quant_group_size": self.model.quant_group_size if self.model.quantization == "int4" else None,
                 "lm_head_quantization": self.model.lm_head_quantization,
+                "quant_calibration": self.model.quant_calibration,
+                "quant_calibration_samples": self.model.quant_calibration_samples
+                if self.model.quant_calibration != "none" else None,
                 "kv_cache_dtype": self.cache.kv_cache_dtype, "formats": [f.as_dict() for f in self.formats]}
 
     @classmethod

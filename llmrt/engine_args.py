@@ -91,11 +91,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "dequantized)")
     g.add_argument("--quant-group-size", type=int, default=default_of(ModelConfig, "quant_group_size"),
                    choices=list(QUANT_GROUP_SIZES), help="int4: weights per scale group (default: %(default)s)")
+    g.add_argument("--quant-calibration", default=default_of(ModelConfig, "quant_calibration"), metavar="{none,builtin,PATH}",
+                   help="with --quantization int4: calibrate the int4 weights by GPTQ at load (asymmetric groups of "
+                        "--quant-group-size, on activations through the model) on 'builtin' sequences the float "
+                        "model samples itself or on a text file; the GPTQ checkpoint is cached under "
+                        "$LLMRT_CACHE_DIR/gptq (default ~/.cache/llmrt/gptq, or $LLMRT_GPTQ_CACHE_DIR) keyed by the "
+                        "model files and options, so only the first load pays for it; the LM head stays in the "
+                        "model dtype. none: the data-free fit (default: %(default)s; docs/quantization.md)")
+    g.add_argument("--quant-calibration-samples", type=int, default=default_of(ModelConfig, "quant_calibration_samples"),
+                   help="--quant-calibration: calibration sequences of up to 256 tokens (default: %(default)s)")
     g.add_argument("--lm-head-quantization", default=default_of(ModelConfig, "lm_head_quantization"),
                    choices=["auto", "int8", "none"],
                    help="the LM head's format: auto quantizes it to int8 (per output channel) with --quantization "
-                        "int8 or int4 (from a GGUF, only when the file's output matrix is quantized); none keeps it "
-                        "in the model dtype (default: %(default)s)")
+                        "int8 or int4 (from a GGUF, only when the file's output matrix is quantized; not with "
+                        "--quant-calibration); none keeps it in the model dtype (default: %(default)s)")
     g.add_argument("--dense-weight-copy", default=default_of(ModelConfig, "dense_weight_copy"),
                    choices=["auto", "on", "off"],
                    help="CPU: fp32/bf16 layers keep a dense copy of their weights beside the kernels' packed one, "
@@ -161,7 +170,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("dtype", "device", "attention_backend", "deterministic", "enforce_eager", "max_model_len", "block_size",
                 "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
                 "scheduling_policy", "short_first_aging_steps", "enable_prefix_caching", "preemption_mode",
-                "swap_space", "kv_watermark", "quantization", "quant_group_size", "lm_head_quantization", "dense_weight_copy", "kv_cache_dtype", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
+                "swap_space", "kv_watermark", "quantization", "quant_group_size", "quant_calibration",
+                "quant_calibration_samples", "lm_head_quantization", "dense_weight_copy", "kv_cache_dtype", "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
                 "speculative_model", "speculative_max_batch_tokens", "tensor_parallel_size",
                 "pipeline_parallel_size", "pipeline_micro_batches",
                 "distributed_executor_backend", "distributed_timeout", "cpu_all_reduce")

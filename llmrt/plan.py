@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of the decoder layers, as `serve` (default: none)")
     p.add_argument("--quant-group-size", type=int, default=default_of(ModelConfig, "quant_group_size"),
                    choices=list(QUANT_GROUP_SIZES), help="int4 group size (default: %(default)s)")
+    p.add_argument("--quant-calibration", default="none", metavar="{none,builtin,PATH}",
+                   help="as `serve`: int4 calibrated by GPTQ at load (the same int4 bytes; the LM head stays in the "
+                        "model dtype) (default: %(default)s)")
     p.add_argument("--lm-head-quantization", default="auto", choices=["auto", "int8", "none"],
                    help="the LM head's format, as `serve`: auto is int8 with --quantization int8/int4 "
                         "(default: %(default)s)")
@@ -107,7 +110,10 @@ def build_plan(args: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     limit = args.max_model_len or context_limit(hf)
     from llmrt.model.quantization import resolve_lm_head
 
-    lm_head = resolve_lm_head(args.lm_head_quantization, args.quantization)
+    calibration = getattr(args, "quant_calibration", "none")
+    if calibration != "none" and args.quantization != "int4":
+        raise InvalidRequestError("--quant-calibration goes with --quantization int4", param="quant_calibration")
+    lm_head = resolve_lm_head(args.lm_head_quantization, args.quantization, calibrated=calibration != "none")
     plan = plan_memory(hf, memory_bytes=args.memory, dtype=dtype, kv_dtype=kv_dtype, tp=args.tp,
                        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, max_model_len=limit,
@@ -118,7 +124,8 @@ def build_plan(args: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     settings = dict(model=args.model, architecture=(hf.get("architectures") or [""])[0], memory_bytes=args.memory,
                     utilization=args.gpu_memory_utilization, dtype=str(dtype).replace("torch.", ""),
                     kv_dtype=str(kv_dtype).replace("torch.", ""), tp=args.tp, pp=args.pp, max_model_len=limit,
-                    quantization=args.quantization, lm_head_quantization=lm_head, kv_cache_dtype=args.kv_cache_dtype,
+                    quantization=args.quantization, quant_calibration=calibration, lm_head_quantization=lm_head,
+                    kv_cache_dtype=args.kv_cache_dtype,
                     dense_weight_copy=args.dense_weight_copy,
                     formats_here=[f.as_dict() for f in formats_on_this_machine(dtype, args.quantization,
                                                                                args.kv_cache_dtype)])
@@ -197,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
          "detail": f"per rank, tp={args.tp}" + (f", heaviest of pp={args.pp} stages" if args.pp > 1 else "")
                    + f", {settings['dtype']}"
                    + (f", decoder layers {args.quantization}" if args.quantization else "")
+                   + (f" (GPTQ, {settings['quant_calibration']} calibration)"
+                      if settings["quant_calibration"] != "none" else "")
                    + (f", LM head {settings['lm_head_quantization']}" if args.quantization else "")
                    + (f", incl. {gib(plan.dense_copy_bytes)} GiB dense copies of packed layers (--dense-weight-copy)"
                       if plan.dense_copy_bytes else "")},

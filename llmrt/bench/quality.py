@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -133,6 +133,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", action="append", choices=["int8", "int4", "fp8"], default=None,
                    help="a configuration to measure (repeatable; default: int8 and int4, none with --reference)")
     p.add_argument("--quant-group-size", type=int, default=32, choices=[32, 64, 128])
+    p.add_argument("--quant-calibration", default="none", metavar="{none,builtin,PATH}",
+                   help="int4 configurations calibrated by GPTQ at load, as `serve --quant-calibration` (the "
+                        "checkpoint cached; int8 is unaffected) (default: %(default)s)")
+    p.add_argument("--quant-calibration-samples", type=int, default=128,
+                   help="--quant-calibration: calibration sequences (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"], help="also for the quantized runs")
     p.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda or cuda:N")
     p.add_argument("--text", default=None, help="a text file to score (default: a built-in short story)")
@@ -159,11 +164,12 @@ def run(args: argparse.Namespace) -> int:
         reports.append(compare(checkpoint_label(cfg), logits, ref, tokens, nbytes, time.perf_counter() - t))
     default = [] if args.reference is not None else ["int8", "int4"]
     for q in args.quantization or default:
-        cfg = ModelConfig(source, dtype=args.dtype, quantization=q, quant_group_size=args.quant_group_size)
-        t = time.perf_counter()
+        calibration = args.quant_calibration if q == "int4" else "none"
+        cfg = ModelConfig(source, dtype=args.dtype, quantization=q, quant_group_size=args.quant_group_size,
+                          quant_calibration=calibration, quant_calibration_samples=args.quant_calibration_samples)
+        t = time.perf_counter()  # with --quant-calibration: includes calibrating on a first load
         logits, nbytes = teacher_forced_logits(cfg, tokens, args.kv_cache_dtype, device=args.device)
-        label = q + (f" g{args.quant_group_size}" if q == "int4" else "") + \
-            (f" kv {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
+        label = cfg.quantization_label + (f" kv {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
         reports.append(compare(label, logits, ref, tokens, nbytes, time.perf_counter() - t))
     base_ppl = reports[0].perplexity
     print(f"{base.model}: {len(tokens)} tokens")
@@ -195,14 +201,15 @@ def checkpoint_label(cfg: ModelConfig) -> str:
 
 def quality_of(model_dir: str, tokens: list[int], quantization: Optional[str], kv_cache_dtype: str = "auto",
                group_size: int = 32, ref: Optional[torch.Tensor] = None, as_stored: bool = False,
-               device: torch.device | str = "cpu", dtype: str = "float32") -> QualityReport:
+               device: torch.device | str = "cpu", dtype: str = "float32", **model_options: Any) -> QualityReport:
     """One configuration against the unquantized float32 model (or `ref`), for tests and scripts; `as_stored`:
-    the checkpoint in its own format (a GPTQ checkpoint as int4), `ref` then required."""
+    the checkpoint in its own format (a GPTQ checkpoint as int4), `ref` then required; `model_options`: more
+    ModelConfig fields (quant_calibration=...)."""
     if ref is None:
         ref, _ = teacher_forced_logits(ModelConfig(model_dir, dtype="float32", quantization="none"), tokens,
                                        device=device)
     cfg = ModelConfig(model_dir, dtype=dtype, quantization=None if as_stored else quantization or "none",
-                      quant_group_size=group_size)
+                      quant_group_size=group_size, **model_options)
     t = time.perf_counter()
     logits, nbytes = teacher_forced_logits(cfg, tokens, kv_cache_dtype, device=device)
     return compare(checkpoint_label(cfg) if as_stored else str(quantization), logits, ref, tokens, nbytes,

@@ -57,7 +57,8 @@ class EngineCore:
         # The extra key names what else shapes the KV besides the tokens (the weights, their quantization, the KV
         # dtype and its storage format).
         m = config.model
-        extra_key = f"{m.model}|{m.torch_dtype}|{m.quantization}|{m.quant_group_size}|{m.lm_head_quantization}|{config.cache.kv_cache_dtype}".encode()
+        extra_key = (f"{m.model}|{m.torch_dtype}|{m.quantization}|{m.quant_group_size}|{m.lm_head_quantization}|"
+                     f"{m.quant_calibration}|{m.quant_calibration_samples}|{config.cache.kv_cache_dtype}").encode()
         self.block_manager = BlockManager(self.memory.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, extra_key)
         host_pool = None

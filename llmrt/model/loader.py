@@ -95,7 +95,12 @@ def build_model(hf_config: dict, arch: str, dtype: torch.dtype, compute: torch.d
 
 
 def load_model(model_cfg: ModelConfig, device: torch.device) -> CausalLM:
-    """Build the model for `model_cfg` on `device` and fill it from the checkpoint."""
+    """Build the model for `model_cfg` on `device` and fill it from the checkpoint (with --quant-calibration, from
+    its cached GPTQ checkpoint, calibrated first if there is none)."""
+    if model_cfg.quant_calibration != "none":
+        from llmrt.model.quantization.gptq_at_load import calibrated_model_config
+
+        model_cfg = calibrated_model_config(model_cfg, str(device))
     arch = model_cfg.architecture
     dtype = model_cfg.torch_dtype
     quant = get_quantization_config(model_cfg.quantization, model_cfg.quant_options())

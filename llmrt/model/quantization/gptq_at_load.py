@@ -1,0 +1,147 @@
+"""`--quantization int4 --quant-calibration builtin|FILE`: GPTQ calibration at load, cached like a compiled kernel.
+
+The first load calibrates the float checkpoint as `llmrt quantize` does (asymmetric groups of --quant-group-size,
+its defaults otherwise), writes the GPTQ checkpoint into `<root>/<key>` (root: $LLMRT_GPTQ_CACHE_DIR, else
+`gptq/` under llmrt's cache, $LLMRT_CACHE_DIR or ~/.cache/llmrt) and serves it through the GPTQ loader
+(`gptq_awq.py`); later loads with the same model files and options read the cached checkpoint. The key covers
+the model directory's files by name, size and mtime_ns (not their content: hashing a multi-GB checkpoint would
+cost more than loading it), the options, the calibration file's content hash and CACHE_VERSION. A checkpoint is
+written into a temporary directory and renamed into place, so a crash or a second process never leaves half of
+one (two processes loading at once both calibrate; the first rename wins).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from llmrt.errors import InvalidRequestError, UnsupportedError
+
+if TYPE_CHECKING:
+    from llmrt.config import ModelConfig
+    from llmrt.model.quantization.gptq_calibrate import CalibrationOptions
+
+CACHE_VERSION = 1  # bump when the calibration or the written format changes what a key's checkpoint holds
+# As `llmrt quantize`'s defaults (tools/quantize.py): 256-token sequences, 1% damping, seed 0, asymmetric groups.
+SEQ_LEN, DAMP, SEED = 256, 0.01, 0
+
+logger = logging.getLogger(__name__)
+
+
+def gptq_cache_root() -> Path:
+    """$LLMRT_GPTQ_CACHE_DIR, else `gptq` under llmrt's cache root (where compiled kernels also live)."""
+    from llmrt.kernels.build import cache_root
+
+    return Path(os.environ.get("LLMRT_GPTQ_CACHE_DIR") or cache_root() / "gptq")
+
+
+def check_calibration(calibration: str, quantization: Optional[str], model: str, hf_config: dict[str, Any],
+                      samples: int) -> str:
+    """Refuse, before any weight is read, a calibration the load cannot do; returns it normalized ("none",
+    "builtin" or the file's absolute path)."""
+    from llmrt.model.gguf_file import is_gguf
+
+    if calibration in ("none", "", None):
+        return "none"
+    if quantization != "int4":
+        raise UnsupportedError(f"--quant-calibration calibrates int4 weights (GPTQ); it needs --quantization int4, "
+                               f"not {quantization or 'none'}", param="quant_calibration")
+    if is_gguf(str(model)):
+        raise UnsupportedError("--quant-calibration reads a float safetensors checkpoint, not a GGUF file",
+                               param="quant_calibration")
+    if hf_config.get("quantization_config"):
+        method = hf_config["quantization_config"].get("quant_method", "quantized")
+        raise UnsupportedError(f"{model} is already quantized ({method}); --quant-calibration needs a float "
+                               "checkpoint (serve this one as it is, without --quantization)", param="quant_calibration")
+    if samples < 1:
+        raise InvalidRequestError("quant_calibration_samples must be >= 1", param="quant_calibration_samples")
+    if calibration == "builtin":
+        return calibration
+    path = Path(calibration)
+    if not path.is_file():
+        raise InvalidRequestError(f"calibration file {path} does not exist", param="quant_calibration")
+    return str(path.resolve())
+
+
+def calibration_options(model_cfg: "ModelConfig", device: str = "cpu") -> "CalibrationOptions":
+    """What the load calibrates with: GPTQ, asymmetric groups of the configured size, `llmrt quantize`'s defaults."""
+    from llmrt.model.quantization.gptq_calibrate import CalibrationOptions
+    from llmrt.model.quantization.gptq_solver import QuantSpec
+
+    return CalibrationOptions(method="gptq", spec=QuantSpec(model_cfg.quant_group_size, sym=False),
+                              calibration=model_cfg.quant_calibration, samples=model_cfg.quant_calibration_samples,
+                              seq_len=SEQ_LEN, damp=DAMP, seed=SEED, device=device)
+
+
+def cache_key(model_dir: str, opts: "CalibrationOptions") -> str:
+    """The cache entry's name: a hash of the model files' names, sizes and mtimes, the options and CACHE_VERSION."""
+    h = hashlib.sha256(f"llmrt-gptq-v{CACHE_VERSION}\n{Path(model_dir).resolve()}\n".encode())
+    for f in sorted(Path(model_dir).iterdir()):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    fields = {k: v for k, v in asdict(opts).items() if k not in ("device", "calibration")}
+    h.update(json.dumps(fields, sort_keys=True).encode())
+    source = opts.calibration
+    if source != "builtin":
+        source = "file:" + hashlib.sha256(Path(source).read_bytes()).hexdigest()
+    h.update(source.encode())
+    return h.hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class CalibratedCheckpoint:
+    """Where the GPTQ checkpoint is, whether it came from the cache, and the seconds calibrating (or finding) took."""
+
+    path: Path
+    cached: bool
+    seconds: float
+
+
+def calibrated_checkpoint(model_dir: str, opts: "CalibrationOptions",
+                          root: Optional[Path] = None) -> CalibratedCheckpoint:
+    """The cached GPTQ checkpoint of `model_dir` under `opts`, calibrated and written atomically first if absent."""
+    from llmrt.model.quantization.gptq_calibrate import quantize_checkpoint
+
+    t = time.perf_counter()
+    root = Path(root) if root is not None else gptq_cache_root()
+    final = root / cache_key(model_dir, opts)
+    if (final / "config.json").is_file():
+        return CalibratedCheckpoint(final, True, time.perf_counter() - t)
+    logger.warning("calibrating %s to int4 g%d (GPTQ, %s, %d samples): once per model files and options, cached in %s",
+                   model_dir, opts.spec.group_size, opts.calibration, opts.samples, final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        report = quantize_checkpoint(model_dir, str(tmp), opts)
+        (tmp / "llmrt_calibration.json").write_text(json.dumps(
+            {"source_model": str(Path(model_dir).resolve()), "cache_version": CACHE_VERSION,
+             "seconds": report.seconds, "calibration_tokens": report.calibration_tokens}, indent=2))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+            logger.info("another process cached %s first; using its checkpoint", final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return CalibratedCheckpoint(final, False, time.perf_counter() - t)
+
+
+def calibrated_model_config(model_cfg: "ModelConfig", device: str = "cpu") -> "ModelConfig":
+    """The configuration that serves `model_cfg`'s calibrated checkpoint (from the cache, calibrated if absent)."""
+    opts = calibration_options(model_cfg, device)
+    ckpt = calibrated_checkpoint(model_cfg.model, opts)
+    how = "loaded from cache" if ckpt.cached else f"calibrated in {ckpt.seconds:.1f} s and cached"
+    logger.info("int4 g%d GPTQ (--quant-calibration %s, %d samples): %s %s", opts.spec.group_size,
+                model_cfg.quant_calibration, opts.samples, how, ckpt.path)
+    # The checkpoint's own quantization_config makes it a GPTQ load; its LM head is kept in the model dtype.
+    return replace(model_cfg, model=str(ckpt.path), quantization=None, quant_calibration="none",
+                   lm_head_quantization="auto")
