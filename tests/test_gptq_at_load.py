@@ -1,0 +1,141 @@
+"""`--quant-calibration`: GPTQ calibration at load. The embedded model's quality, the on-disk cache (a hit loads
+the same checkpoint without recalibrating; a changed option or model file is a new key), the clear errors at
+configuration time, and the flags of the engine, `llmrt plan` and `llmrt bench quality`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmrt.bench.quality import DEFAULT_TEXT, perplexity, quality_of, teacher_forced_logits
+from llmrt.config import EngineConfig, ModelConfig
+from llmrt.errors import InvalidRequestError, UnsupportedError
+from llmrt.model.quantization import gptq_calibrate
+from llmrt.model.quantization.gptq_at_load import cache_key, calibrated_checkpoint, calibration_options
+from llmrt.tokenizer import load_tokenizer
+from tests.conftest import EMBEDDED
+
+SAMPLES = 32  # the default 128 in 4x the time; 32 already meets the target (as tests/test_gptq_calibrate.py)
+
+
+@pytest.fixture(scope="module")
+def gptq_cache(tmp_path_factory) -> Path:
+    """One calibration cache for this module's tests (never the user's; kernels keep $LLMRT_CACHE_DIR)."""
+    return tmp_path_factory.mktemp("gptq-cache")
+
+
+@pytest.fixture
+def cache_env(gptq_cache, monkeypatch) -> Path:
+    monkeypatch.setenv("LLMRT_GPTQ_CACHE_DIR", str(gptq_cache))
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # many small forwards: two threads on a shared machine make them erratic
+    yield gptq_cache
+    torch.set_num_threads(n)
+
+
+def calibrated(model: Path = EMBEDDED, **kw) -> ModelConfig:
+    kw = {"quant_calibration": "builtin", "quant_calibration_samples": SAMPLES, **kw}
+    return ModelConfig(str(model), dtype="float32", quantization="int4", **kw)
+
+
+def test_calibration_at_load_meets_the_target_and_is_cached(cache_env, monkeypatch):
+    tokens = load_tokenizer(str(EMBEDDED)).encode(DEFAULT_TEXT)
+    ref, _ = teacher_forced_logits(ModelConfig(str(EMBEDDED), dtype="float32", quantization="none"), tokens)
+    gptq = quality_of(str(EMBEDDED), tokens, "int4", ref=ref, quant_calibration="builtin",
+                      quant_calibration_samples=SAMPLES)
+    int4 = quality_of(str(EMBEDDED), tokens, "int4", ref=ref)
+    assert gptq.perplexity <= 1.05 * perplexity(ref, tokens), gptq  # measured +2.0% (data-free int4: +5.5%)
+    assert gptq.mean_kl < int4.mean_kl, (gptq, int4)  # 0.028 vs 0.037
+    entries = [p for p in cache_env.iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 1 and not list(cache_env.glob(".tmp-*"))  # written once, no temporary left
+    ckpt = entries[0]
+    qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "gptq" and qc["group_size"] == 32 and not qc["sym"]
+    assert qc["llmrt_calibration"]["samples"] == SAMPLES
+    stamp = (ckpt / "model.safetensors").stat().st_mtime_ns
+
+    def no_recalibration(*args, **kwargs):
+        raise AssertionError("a cached configuration was calibrated again")
+
+    monkeypatch.setattr(gptq_calibrate, "quantize_checkpoint", no_recalibration)
+    hit = calibrated_checkpoint(str(EMBEDDED), calibration_options(calibrated()))
+    assert hit.cached and hit.path == ckpt
+    again, _ = teacher_forced_logits(calibrated(), tokens)
+    first, _ = teacher_forced_logits(ModelConfig(str(ckpt), dtype="float32"), tokens)
+    assert torch.equal(again, first)  # the same weights as the checkpoint the first load wrote
+    assert (ckpt / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_changed_option_or_model_file_is_a_new_key(tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(EMBEDDED, model)
+    base = calibration_options(calibrated(model))
+    key = cache_key(str(model), base)
+    assert cache_key(str(model), calibration_options(calibrated(model))) == key
+    for field, value in (("samples", 16), ("seq_len", 128), ("seed", 1), ("damp", 0.02)):
+        assert cache_key(str(model), base.__class__(**{**base.__dict__, field: value})) != key, field
+    assert cache_key(str(model), calibration_options(calibrated(model, quant_group_size=64))) != key
+    text = tmp_path / "calib.txt"
+    text.write_text(DEFAULT_TEXT)
+    file_key = cache_key(str(model), calibration_options(calibrated(model, quant_calibration=str(text))))
+    text.write_text(DEFAULT_TEXT + " The end.")
+    assert cache_key(str(model), calibration_options(calibrated(model, quant_calibration=str(text)))) != file_key
+    st = (model / "model.safetensors").stat()
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert cache_key(str(model), base) != key
+
+
+def test_clear_errors_at_configuration_time(tmp_path, monkeypatch):
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibrated instead of refusing")
+
+    monkeypatch.setattr(gptq_calibrate, "quantize_checkpoint", no_calibration)
+    for quantization in ("int8", None, "none"):
+        with pytest.raises(UnsupportedError, match="needs --quantization int4"):
+            ModelConfig(str(EMBEDDED), quantization=quantization, quant_calibration="builtin")
+    with pytest.raises(InvalidRequestError, match="does not exist"):
+        calibrated(quant_calibration=str(tmp_path / "missing.txt"))
+    with pytest.raises(UnsupportedError, match="LM head"):
+        calibrated(lm_head_quantization="int8")
+    quantized = tmp_path / "gptq"
+    shutil.copytree(EMBEDDED, quantized)
+    cfg = json.loads((quantized / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (quantized / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedError, match="already quantized"):
+        calibrated(quantized)
+    pytest.importorskip("gguf")
+    gguf = Path(__file__).parent / "fixtures" / "gguf" / "stories260K.gguf"
+    with pytest.raises(UnsupportedError, match="not a GGUF"):
+        calibrated(gguf)
+
+
+def test_flags_and_reports(tmp_path, cache_env, capsys):
+    from llmrt.cli import main
+    from llmrt.engine_args import add_engine_arguments, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    kw = engine_kwargs(p.parse_args(["--quantization", "int4", "--quant-calibration", "builtin",
+                                     "--quant-calibration-samples", "16"]))
+    assert kw["quant_calibration"] == "builtin" and kw["quant_calibration_samples"] == 16
+    assert engine_kwargs(p.parse_args([]))["quant_calibration"] == "none"
+    assert "--quant-calibration" in p.format_help()
+    config = EngineConfig.create(str(EMBEDDED), **kw)  # no weight is read to configure
+    report = config.formats_report()  # what GET /version shows
+    assert report["quant_calibration"] == "builtin" and report["quant_calibration_samples"] == 16
+    assert report["lm_head_quantization"] == "none"
+    assert main(["plan", str(EMBEDDED), "--memory", "1GiB", "--quantization", "int4", "--quant-calibration",
+                 "builtin", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["quant_calibration"] == "builtin" and plan["lm_head_quantization"] == "none"
+    out = tmp_path / "q.json"
+    assert main(["bench", "quality", "--quantization", "int4", "--quant-calibration", "builtin",
+                 "--quant-calibration-samples", str(SAMPLES), "--output", str(out)]) == 0
+    labels = [r["label"] for r in json.loads(out.read_text())["reports"]]
+    assert labels == ["unquantized", f"int4 g32 gptq (builtin calibration, {SAMPLES} samples)"]
