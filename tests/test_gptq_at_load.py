@@ -102,6 +102,10 @@ def test_clear_errors_at_configuration_time(tmp_path, monkeypatch):
         calibrated(quant_calibration=str(tmp_path / "missing.txt"))
     with pytest.raises(UnsupportedError, match="LM head"):
         calibrated(lm_head_quantization="int8")
+    if (os.cpu_count() or 1) >= 2:  # gloo ranks need a core each
+        for split in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 5}):
+            with pytest.raises(UnsupportedError, match="quant-calibration"):
+                EngineConfig.create(str(EMBEDDED), quantization="int4", quant_calibration="builtin", **split)
     quantized = tmp_path / "gptq"
     shutil.copytree(EMBEDDED, quantized)
     cfg = json.loads((quantized / "config.json").read_text())
