@@ -96,15 +96,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "--quant-group-size, on activations through the model) on 'builtin' sequences the float "
                         "model samples itself or on a text file; the GPTQ checkpoint is cached under "
                         "$LLMRT_CACHE_DIR/gptq (default ~/.cache/llmrt/gptq, or $LLMRT_GPTQ_CACHE_DIR) keyed by the "
-                        "model files and options, so only the first load pays for it; the LM head stays in the "
-                        "model dtype. none: the data-free fit (default: %(default)s; docs/quantization.md)")
+                        "model files and options, so only the first load pays for it. none: the data-free fit (default: %(default)s; docs/quantization.md)")
     g.add_argument("--quant-calibration-samples", type=int, default=default_of(ModelConfig, "quant_calibration_samples"),
                    help="--quant-calibration: calibration sequences of up to 256 tokens (default: %(default)s)")
     g.add_argument("--lm-head-quantization", default=default_of(ModelConfig, "lm_head_quantization"),
                    choices=["auto", "int8", "none"],
                    help="the LM head's format: auto quantizes it to int8 (per output channel) with --quantization "
-                        "int8 or int4 (from a GGUF, only when the file's output matrix is quantized; not with "
-                        "--quant-calibration); none keeps it in the model dtype (default: %(default)s)")
+                        "int8 or int4 (from a GGUF, only when the file's output matrix is quantized; a GPTQ/AWQ "
+                        "checkpoint's only with int8); none keeps it in the model dtype (default: %(default)s)")
     g.add_argument("--dense-weight-copy", default=default_of(ModelConfig, "dense_weight_copy"),
                    choices=["auto", "on", "off"],
                    help="CPU: fp32/bf16 layers keep a dense copy of their weights beside the kernels' packed one, "

@@ -66,8 +66,10 @@ def test_calibration_at_load_meets_the_target_and_is_cached(cache_env, monkeypat
     hit = calibrated_checkpoint(str(EMBEDDED), calibration_options(calibrated()))
     assert hit.cached and hit.path == ckpt
     again, _ = teacher_forced_logits(calibrated(), tokens)
-    first, _ = teacher_forced_logits(ModelConfig(str(ckpt), dtype="float32"), tokens)
-    assert torch.equal(again, first)  # the same weights as the checkpoint the first load wrote
+    first, _ = teacher_forced_logits(ModelConfig(str(ckpt), dtype="float32", lm_head_quantization="int8"), tokens)
+    assert torch.equal(again, first)  # the same weights as the checkpoint the first load wrote, the head in int8
+    plain, _ = teacher_forced_logits(ModelConfig(str(ckpt), dtype="float32"), tokens)
+    assert not torch.equal(plain, first)  # the GPTQ checkpoint's own head is unquantized; int8 changes the logits
     assert (ckpt / "model.safetensors").stat().st_mtime_ns == stamp
 
 
@@ -100,8 +102,8 @@ def test_clear_errors_at_configuration_time(tmp_path, monkeypatch):
             ModelConfig(str(EMBEDDED), quantization=quantization, quant_calibration="builtin")
     with pytest.raises(InvalidRequestError, match="does not exist"):
         calibrated(quant_calibration=str(tmp_path / "missing.txt"))
-    with pytest.raises(UnsupportedError, match="LM head"):
-        calibrated(lm_head_quantization="int8")
+    assert calibrated().lm_head_quantization == "int8"  # as with --quantization int4
+    assert calibrated(lm_head_quantization="none").lm_head_quantization == "none"
     if (os.cpu_count() or 1) >= 2:  # gloo ranks need a core each
         for split in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 5}):
             with pytest.raises(UnsupportedError, match="quant-calibration"):
@@ -133,11 +135,11 @@ def test_flags_and_reports(tmp_path, cache_env, capsys):
     config = EngineConfig.create(str(EMBEDDED), **kw)  # no weight is read to configure
     report = config.formats_report()  # what GET /version shows
     assert report["quant_calibration"] == "builtin" and report["quant_calibration_samples"] == 16
-    assert report["lm_head_quantization"] == "none"
+    assert report["lm_head_quantization"] == "int8"
     assert main(["plan", str(EMBEDDED), "--memory", "1GiB", "--quantization", "int4", "--quant-calibration",
                  "builtin", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["quant_calibration"] == "builtin" and plan["lm_head_quantization"] == "none"
+    assert plan["quant_calibration"] == "builtin" and plan["lm_head_quantization"] == "int8"
     out = tmp_path / "q.json"
     assert main(["bench", "quality", "--quantization", "int4", "--quant-calibration", "builtin",
                  "--quant-calibration-samples", str(SAMPLES), "--output", str(out)]) == 0

@@ -202,3 +202,24 @@ def test_plan_counts_a_gptq_config_as_int4(tmp_path):
     gptq, full = plan_memory(hf, **kw), plan_memory(plain, **kw)
     int4 = plan_memory(plain, quantization="int4", lm_head_quantization="none", **kw)  # GPTQ heads are not quantized
     assert gptq.weights_bytes == int4.weights_bytes < full.weights_bytes
+
+
+def test_int8_lm_head_on_request(tmp_path):
+    """A GPTQ checkpoint's head is shipped unquantized and kept so by default; --lm-head-quantization int8
+    quantizes it at load (as for --quantization int4), and the plan counts the smaller head."""
+    from llmrt.engine.memory_plan import plan_memory
+    from llmrt.model.quantization.int8 import Int8LinearMethod
+
+    path = _gptq_dir(tmp_path)
+    default = ModelConfig(str(path), dtype="float32")
+    int8 = ModelConfig(str(path), dtype="float32", lm_head_quantization="int8")
+    assert (default.lm_head_quantization, int8.lm_head_quantization) == ("none", "int8")
+    plain_head = load_model(default, torch.device("cpu")).lm_head
+    int8_head = load_model(int8, torch.device("cpu")).lm_head
+    assert not isinstance(plain_head.method, Int8LinearMethod) and isinstance(int8_head.method, Int8LinearMethod)
+    x = torch.randn(3, plain_head.in_features)
+    want, got = plain_head.method.apply(plain_head, x), int8_head.method.apply(int8_head, x)
+    assert not torch.equal(want, got) and (got - want).abs().max() <= 0.02 * want.abs().max()
+    hf = json.loads((path / "config.json").read_text())
+    kw = dict(memory_bytes=1 << 30, dtype=torch.float32)
+    assert plan_memory(hf, lm_head_quantization="int8", **kw).weights_bytes < plan_memory(hf, **kw).weights_bytes

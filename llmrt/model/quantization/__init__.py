@@ -31,22 +31,20 @@ LM_HEAD_CHOICES = ("auto", "int8", "none")
 def resolve_lm_head(choice: str, quantization: Optional[str], gguf_path: Optional[str] = None,
                     calibrated: bool = False) -> str:
     """The LM head's format, "int8" or "none", for --lm-head-quantization `choice`: auto quantizes it to int8 with
-    --quantization int8/int4 (from a GGUF file: only when the file's own output matrix is quantized), and leaves
-    it in the model dtype otherwise; int8 needs one of those methods. `calibrated` (--quant-calibration): the
-    weights load as a GPTQ checkpoint, whose LM head the GPTQ loader keeps in the model dtype."""
+    --quantization int8/int4 (from a GGUF file: only when the file's own output matrix is quantized; with
+    --quant-calibration, `calibrated`, as with int4) and leaves it in the model dtype otherwise, a GPTQ/AWQ
+    checkpoint's included (its head is shipped unquantized); int8 needs one of those methods or such a checkpoint."""
     if choice not in LM_HEAD_CHOICES:
         raise UnsupportedError(f"lm_head_quantization {choice!r}: expected one of {', '.join(LM_HEAD_CHOICES)}",
                                param="lm_head_quantization")
     if calibrated:
-        if choice == "int8":
-            raise UnsupportedError("--quant-calibration serves a GPTQ checkpoint, whose LM head stays in the model "
-                                   "dtype; it cannot be combined with --lm-head-quantization int8",
-                                   param="lm_head_quantization")
-        return "none"
+        return "int8" if choice == "auto" else choice
+    if quantization in ("gptq", "awq"):
+        return "int8" if choice == "int8" else "none"
     if quantization not in ("int8", "int4"):
         if choice == "int8":
-            raise UnsupportedError("--lm-head-quantization int8 goes with --quantization int8 or int4",
-                                   param="lm_head_quantization")
+            raise UnsupportedError("--lm-head-quantization int8 goes with --quantization int8 or int4 (or a GPTQ/AWQ "
+                                   "checkpoint)", param="lm_head_quantization")
         return "none"
     if choice != "auto":
         return choice

@@ -142,6 +142,7 @@ def calibrated_model_config(model_cfg: "ModelConfig", device: str = "cpu") -> "M
     how = "loaded from cache" if ckpt.cached else f"calibrated in {ckpt.seconds:.1f} s and cached"
     logger.info("int4 g%d GPTQ (--quant-calibration %s, %d samples): %s %s", opts.spec.group_size,
                 model_cfg.quant_calibration, opts.samples, how, ckpt.path)
-    # The checkpoint's own quantization_config makes it a GPTQ load; its LM head is kept in the model dtype.
+    # The checkpoint's own quantization_config makes it a GPTQ load; the LM head as resolved for int4 (int8 unless
+    # --lm-head-quantization none), quantized at load like any GPTQ checkpoint's.
     return replace(model_cfg, model=str(ckpt.path), quantization=None, quant_calibration="none",
-                   lm_head_quantization="auto")
+                   lm_head_quantization=model_cfg.lm_head_quantization)

@@ -60,14 +60,15 @@ class CheckpointInt4Config(Int4Config):
 
     name = "int4-checkpoint"
 
-    def __init__(self, checkpoint: dict[str, Any]):
+    def __init__(self, checkpoint: dict[str, Any], lm_head: str = "none"):
         self.checkpoint = checkpoint
         self.ckpt_group_size = checkpoint_group_size(checkpoint)
         bits = int(checkpoint.get("bits", checkpoint.get("w_bit", 4)))
         if bits != 4:
             raise UnsupportedError(f"{self.name.upper()} checkpoints with {bits}-bit weights are not supported; "
                                    "only 4-bit (served by the int4 method)", param="quantization")
-        super().__init__(KERNEL_GROUP_SIZES[-1], lm_head="none")  # the checkpoint's LM head is not quantized
+        # The checkpoint's LM head is unquantized; --lm-head-quantization int8 quantizes it at load.
+        super().__init__(KERNEL_GROUP_SIZES[-1], lm_head=lm_head)
 
     def kernel_group_size(self, in_features: int) -> int:
         """The int4 group size for a layer: the checkpoint's, or a divisor of it that the kernels take."""
@@ -97,7 +98,7 @@ class CheckpointInt4Config(Int4Config):
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "CheckpointInt4Config":
-        return cls(options.get("checkpoint") or {})
+        return cls(options.get("checkpoint") or {}, options.get("lm_head", "none"))
 
 
 class GptqConfig(CheckpointInt4Config):
@@ -105,8 +106,8 @@ class GptqConfig(CheckpointInt4Config):
 
     name = "gptq"
 
-    def __init__(self, checkpoint: dict[str, Any]):
-        super().__init__(checkpoint)
+    def __init__(self, checkpoint: dict[str, Any], lm_head: str = "none"):
+        super().__init__(checkpoint, lm_head)
         self.zero_offset = 0 if checkpoint.get("checkpoint_format") == "gptq_v2" else 1
 
     def unpack(self, qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,8 +119,8 @@ class AwqConfig(CheckpointInt4Config):
 
     name = "awq"
 
-    def __init__(self, checkpoint: dict[str, Any]):
-        super().__init__(checkpoint)
+    def __init__(self, checkpoint: dict[str, Any], lm_head: str = "none"):
+        super().__init__(checkpoint, lm_head)
         version = str(checkpoint.get("version", "gemm")).lower()
         if version != "gemm":
             raise UnsupportedError(f"AWQ version {version!r} is not supported; only 'gemm' packing",
