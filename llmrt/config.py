@@ -98,8 +98,7 @@ class ModelConfig:
         from llmrt.model.quantization import resolve_lm_head
 
         self.lm_head_quantization = resolve_lm_head(self.lm_head_quantization, self.quantization,
-                                                    str(path) if is_gguf(str(path)) else None,
-                                                    calibrated=self.quant_calibration != "none")
+                                                    str(path) if is_gguf(str(path)) else None)
         limit = self.derived_max_len()
         if self.max_model_len is None:
             self.max_model_len = limit

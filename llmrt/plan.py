@@ -28,8 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-group-size", type=int, default=default_of(ModelConfig, "quant_group_size"),
                    choices=list(QUANT_GROUP_SIZES), help="int4 group size (default: %(default)s)")
     p.add_argument("--quant-calibration", default="none", metavar="{none,builtin,PATH}",
-                   help="as `serve`: int4 calibrated by GPTQ at load (the same int4 bytes; the LM head stays in the "
-                        "model dtype) (default: %(default)s)")
+                   help="as `serve`: int4 calibrated by GPTQ at load (the same bytes as plain int4) "
+                        "(default: %(default)s)")
     p.add_argument("--lm-head-quantization", default="auto", choices=["auto", "int8", "none"],
                    help="the LM head's format, as `serve`: auto is int8 with --quantization int8/int4 "
                         "(default: %(default)s)")
@@ -110,10 +110,13 @@ def build_plan(args: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     limit = args.max_model_len or context_limit(hf)
     from llmrt.model.quantization import resolve_lm_head
 
-    calibration = getattr(args, "quant_calibration", "none")
-    if calibration != "none" and args.quantization != "int4":
-        raise InvalidRequestError("--quant-calibration goes with --quantization int4", param="quant_calibration")
-    lm_head = resolve_lm_head(args.lm_head_quantization, args.quantization, calibrated=calibration != "none")
+    from llmrt.model.quantization.gptq_at_load import check_calibration
+    from llmrt.model.quantization.gptq_awq import checkpoint_quantization
+
+    # The refusals `serve` makes at configuration time, with the same errors.
+    calibration = check_calibration(getattr(args, "quant_calibration", "none"), args.quantization, args.model, hf,
+                                    default_of(ModelConfig, "quant_calibration_samples"))
+    lm_head = resolve_lm_head(args.lm_head_quantization, args.quantization or checkpoint_quantization(hf))
     plan = plan_memory(hf, memory_bytes=args.memory, dtype=dtype, kv_dtype=kv_dtype, tp=args.tp,
                        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, max_model_len=limit,

@@ -14,9 +14,9 @@ import torch
 
 from llmrt.bench.quality import DEFAULT_TEXT, perplexity, quality_of, teacher_forced_logits
 from llmrt.config import EngineConfig, ModelConfig
-from llmrt.errors import InvalidRequestError, UnsupportedError
+from llmrt.errors import InvalidRequestError, ModelLoadError, UnsupportedError
 from llmrt.model.quantization import gptq_calibrate
-from llmrt.model.quantization.gptq_at_load import cache_key, calibrated_checkpoint, calibration_options
+from llmrt.model.quantization.gptq_at_load import MARKER, cache_key, calibrated_checkpoint, calibration_options
 from llmrt.tokenizer import load_tokenizer
 from tests.conftest import EMBEDDED
 
@@ -145,3 +145,39 @@ def test_flags_and_reports(tmp_path, cache_env, capsys):
                  "--quant-calibration-samples", str(SAMPLES), "--output", str(out)]) == 0
     labels = [r["label"] for r in json.loads(out.read_text())["reports"]]
     assert labels == ["unquantized", f"int4 g32 gptq (builtin calibration, {SAMPLES} samples)"]
+
+
+def test_a_damaged_entry_is_replaced_and_abandoned_work_removed(tmp_path, monkeypatch):
+    """An entry without its marker (written last) is calibrated again and replaced; a dead process's temporary
+    directory is removed; a cache that cannot be written is a model_load_error naming the variable to set."""
+    import subprocess
+    import sys
+
+    calls = []
+
+    def fake_quantize(model_dir, out_dir, opts):  # the files an entry needs; the real calibration is tested above
+        calls.append(out_dir)
+        out = Path(out_dir)
+        out.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors"):
+            (out / name).write_text("{}")
+        return gptq_calibrate.QuantizeReport(out_dir, 1, [], 0.0)
+
+    monkeypatch.setattr(gptq_calibrate, "quantize_checkpoint", fake_quantize)
+    opts = calibration_options(calibrated())
+    final = tmp_path / cache_key(str(EMBEDDED), opts)
+    final.mkdir()
+    (final / "config.json").write_text("{}")  # what an interrupted `rm -r` or copy can leave
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    abandoned = tmp_path / f".tmp-{final.name}-{dead.pid}-0123abcd"
+    abandoned.mkdir()
+    got = calibrated_checkpoint(str(EMBEDDED), opts, root=tmp_path)
+    assert not got.cached and got.path == final and len(calls) == 1
+    assert (final / MARKER).is_file() and (final / "model.safetensors").is_file()
+    assert not abandoned.exists() and not list(tmp_path.glob(".tmp-*"))
+    assert calibrated_checkpoint(str(EMBEDDED), opts, root=tmp_path).cached and len(calls) == 1
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with pytest.raises(ModelLoadError, match="LLMRT_GPTQ_CACHE_DIR"):
+        calibrated_checkpoint(str(EMBEDDED), opts, root=blocked / "gptq")

@@ -223,3 +223,15 @@ def test_int8_lm_head_on_request(tmp_path):
     hf = json.loads((path / "config.json").read_text())
     kw = dict(memory_bytes=1 << 30, dtype=torch.float32)
     assert plan_memory(hf, lm_head_quantization="int8", **kw).weights_bytes < plan_memory(hf, **kw).weights_bytes
+
+
+def test_plan_of_a_gptq_checkpoint(tmp_path, capsys):
+    """`llmrt plan` takes what `serve` takes for a GPTQ directory (an int8 head on request) and refuses what it
+    refuses, with the same error."""
+    from llmrt.cli import main
+
+    path = _gptq_dir(tmp_path)
+    assert main(["plan", str(path), "--memory", "1GiB", "--lm-head-quantization", "int8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lm_head_quantization"] == "int8"
+    assert main(["plan", str(path), "--memory", "1GiB", "--quantization", "int4", "--quant-calibration", "builtin"]) == 2
+    assert "error (unsupported)" in capsys.readouterr().err

@@ -200,3 +200,61 @@ def test_cli_quantize_and_bench_against_the_reference(tmp_path, one_thread, caps
     assert main(["quantize", str(src), "--out", str(tmp_path / "x"), "--calibration", "/nonexistent"]) == 2
     err = capsys.readouterr().err
     assert "already quantized" in err and "does not exist" in err
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_replayed_inputs_are_those_of_full_forwards(arch, tmp_path, monkeypatch, one_thread):
+    """quantize_layers replays finished layers' outputs; each Hessian must equal the one a full forward over the
+    already-quantized layers gives (the reference below re-runs the model prefix for every linear, as the
+    calibration did before the replay), bitwise, and no module may be left replaying."""
+    from llmrt.bench.quality import prefill
+    from llmrt.model.loader import build_model, load_weights
+    from llmrt.model.quantization import gptq_calibrate as gc
+
+    src = build_checkpoint(arch, tmp_path / "src")
+    samples = [[(7 * i + 3 * j) % 200 + 1 for j in range(20 + 9 * i)] for i in range(3)]  # different lengths
+    opts = CalibrationOptions(spec=QuantSpec(32, False), samples=3, seq_len=64)
+
+    def fresh():
+        cfg = ModelConfig(str(src), dtype="float32")
+        model = build_model(cfg.hf_config, cfg.architecture, torch.float32, torch.float32, "cpu")
+        load_weights(model, src)
+        return model.eval()
+
+    seen: dict[str, torch.Tensor] = {}
+    real = gc._quantize_one
+
+    def keep(name, layer, h, opts):
+        seen[name] = h.clone()
+        return real(name, layer, h, opts)
+
+    monkeypatch.setattr(gc, "_quantize_one", keep)
+    model = fresh()
+    with torch.inference_mode():
+        gc.quantize_layers(model, samples, opts)
+    assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]  # every replay undone
+    monkeypatch.undo()
+
+    class Stop(Exception):
+        pass
+
+    reference = fresh()
+    with torch.inference_mode():
+        for name in seen:
+            layer = reference.get_submodule(name)
+            h = torch.zeros(layer.in_features, layer.in_features, dtype=torch.float64)
+
+            def hook(mod, args):
+                x = args[0].reshape(-1, layer.in_features).float()
+                h.add_((x.t() @ x).double())
+                raise Stop
+
+            handle = layer.register_forward_pre_hook(hook)
+            for tokens in samples:
+                try:
+                    prefill(reference, torch.float32, tokens, block_size=16, chunk=len(tokens))
+                except Stop:
+                    pass
+            handle.remove()
+            assert torch.equal(h, seen[name]), name
+            real(name, layer, h, opts)  # quantized as the calibration did, for the layers after it

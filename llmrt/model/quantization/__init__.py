@@ -28,17 +28,14 @@ def get_quantization_config(name: Optional[str], options: Optional[dict[str, Any
 LM_HEAD_CHOICES = ("auto", "int8", "none")
 
 
-def resolve_lm_head(choice: str, quantization: Optional[str], gguf_path: Optional[str] = None,
-                    calibrated: bool = False) -> str:
+def resolve_lm_head(choice: str, quantization: Optional[str], gguf_path: Optional[str] = None) -> str:
     """The LM head's format, "int8" or "none", for --lm-head-quantization `choice`: auto quantizes it to int8 with
-    --quantization int8/int4 (from a GGUF file: only when the file's own output matrix is quantized; with
-    --quant-calibration, `calibrated`, as with int4) and leaves it in the model dtype otherwise, a GPTQ/AWQ
-    checkpoint's included (its head is shipped unquantized); int8 needs one of those methods or such a checkpoint."""
+    --quantization int8/int4 (calibrated or not; from a GGUF file: only when the file's own output matrix is
+    quantized) and leaves it in the model dtype otherwise, a GPTQ/AWQ checkpoint's included (its head is shipped
+    unquantized); int8 needs one of those methods or such a checkpoint."""
     if choice not in LM_HEAD_CHOICES:
         raise UnsupportedError(f"lm_head_quantization {choice!r}: expected one of {', '.join(LM_HEAD_CHOICES)}",
                                param="lm_head_quantization")
-    if calibrated:
-        return "int8" if choice == "auto" else choice
     if quantization in ("gptq", "awq"):
         return "int8" if choice == "int8" else "none"
     if quantization not in ("int8", "int4"):

@@ -11,6 +11,7 @@ one (two processes loading at once both calibrate; the first rename wins).
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -22,15 +23,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from llmrt.errors import InvalidRequestError, UnsupportedError
+import torch
+
+from llmrt.errors import InvalidRequestError, ModelLoadError, UnsupportedError
 
 if TYPE_CHECKING:
     from llmrt.config import ModelConfig
     from llmrt.model.quantization.gptq_calibrate import CalibrationOptions
 
 CACHE_VERSION = 1  # bump when the calibration or the written format changes what a key's checkpoint holds
-# As `llmrt quantize`'s defaults (tools/quantize.py): 256-token sequences, 1% damping, seed 0, asymmetric groups.
-SEQ_LEN, DAMP, SEED = 256, 0.01, 0
+MARKER = "llmrt_calibration.json"  # the last file written into an entry
+_TMP = ".tmp-"
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ def calibration_options(model_cfg: "ModelConfig", device: str = "cpu") -> "Calib
 
     return CalibrationOptions(method="gptq", spec=QuantSpec(model_cfg.quant_group_size, sym=False),
                               calibration=model_cfg.quant_calibration, samples=model_cfg.quant_calibration_samples,
-                              seq_len=SEQ_LEN, damp=DAMP, seed=SEED, device=device)
+                              device=device)
 
 
 def cache_key(model_dir: str, opts: "CalibrationOptions") -> str:
@@ -113,26 +116,52 @@ def calibrated_checkpoint(model_dir: str, opts: "CalibrationOptions",
     t = time.perf_counter()
     root = Path(root) if root is not None else gptq_cache_root()
     final = root / cache_key(model_dir, opts)
-    if (final / "config.json").is_file():
+    if _complete(final):
         return CalibratedCheckpoint(final, True, time.perf_counter() - t)
     logger.warning("calibrating %s to int4 g%d (GPTQ, %s, %d samples): once per model files and options, cached in %s",
                    model_dir, opts.spec.group_size, opts.calibration, opts.samples, final)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = root / f"{_TMP}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(root)
         report = quantize_checkpoint(model_dir, str(tmp), opts)
-        (tmp / "llmrt_calibration.json").write_text(json.dumps(
+        # Written last: an entry holding it is whole.
+        (tmp / MARKER).write_text(json.dumps(
             {"source_model": str(Path(model_dir).resolve()), "cache_version": CACHE_VERSION,
              "seconds": report.seconds, "calibration_tokens": report.calibration_tokens}, indent=2))
+        if final.exists() and not _complete(final):  # a damaged entry (part of it deleted): replaced
+            shutil.rmtree(final, ignore_errors=True)
         try:
             os.rename(tmp, final)
         except OSError:
-            if not (final / "config.json").is_file():
+            if not _complete(final):
                 raise
             logger.info("another process cached %s first; using its checkpoint", final)
+    except OSError as e:
+        raise ModelLoadError(f"cannot write the calibrated checkpoint under {root}: {e}; set $LLMRT_GPTQ_CACHE_DIR to "
+                             "a writable directory") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        gc.collect()  # the float model and the sampling engine's reference cycles, before the KV cache is sized
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return CalibratedCheckpoint(final, False, time.perf_counter() - t)
+
+
+def _complete(entry: Path) -> bool:
+    return (entry / MARKER).is_file() and (entry / "config.json").is_file() and (entry / "model.safetensors").is_file()
+
+
+def _remove_abandoned(root: Path) -> None:
+    """Temporary directories of processes that died calibrating (killed, out of memory)."""
+    for d in root.glob(f"{_TMP}*"):
+        try:
+            pid = int(d.name.rsplit("-", 2)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):  # not ours, or another user's live process
+            continue
 
 
 def calibrated_model_config(model_cfg: "ModelConfig", device: str = "cpu") -> "ModelConfig":
@@ -142,7 +171,6 @@ def calibrated_model_config(model_cfg: "ModelConfig", device: str = "cpu") -> "M
     how = "loaded from cache" if ckpt.cached else f"calibrated in {ckpt.seconds:.1f} s and cached"
     logger.info("int4 g%d GPTQ (--quant-calibration %s, %d samples): %s %s", opts.spec.group_size,
                 model_cfg.quant_calibration, opts.samples, how, ckpt.path)
-    # The checkpoint's own quantization_config makes it a GPTQ load; the LM head as resolved for int4 (int8 unless
-    # --lm-head-quantization none), quantized at load like any GPTQ checkpoint's.
-    return replace(model_cfg, model=str(ckpt.path), quantization=None, quant_calibration="none",
-                   lm_head_quantization=model_cfg.lm_head_quantization)
+    # The checkpoint's own quantization_config makes it a GPTQ load; `replace` keeps the LM head as resolved for
+    # int4 (int8 unless --lm-head-quantization none), quantized at load like any GPTQ checkpoint's.
+    return replace(model_cfg, model=str(ckpt.path), quantization=None, quant_calibration="none")

@@ -30,6 +30,9 @@ from llmrt.model.quantization.gptq_solver import (QuantSpec, dequantize, gptq_qu
                                                   rtn_quantize)
 
 logger = logging.getLogger(__name__)
+# Weight files a checkpoint directory may hold besides its safetensors, none of them copied into the GPTQ one.
+_WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx",
+                              ".npz"})
 
 
 @dataclass
@@ -96,8 +99,8 @@ def calibration_samples(model_dir: str, opts: CalibrationOptions) -> list[list[i
     return [start + list(o.outputs[0].token_ids) for o in outs]
 
 
-def _float_model(model_dir: str, device: str) -> tuple[nn.Module, ModelConfig]:
-    """The checkpoint in float32 with plain `weight` tensors (not repacked for the kernels: they are rewritten)."""
+def _float_config(model_dir: str) -> ModelConfig:
+    """The checkpoint's configuration in float32, refused if it is not a float safetensors checkpoint."""
     if not Path(model_dir).is_dir():
         raise UnsupportedError("llmrt quantize reads a safetensors checkpoint directory (not a GGUF file)",
                                param="model")
@@ -105,9 +108,14 @@ def _float_model(model_dir: str, device: str) -> tuple[nn.Module, ModelConfig]:
     if cfg.quantization:
         raise UnsupportedError(f"{model_dir} is already quantized ({cfg.quantization}); quantize a float checkpoint",
                                param="model")
+    return cfg
+
+
+def _float_model(cfg: ModelConfig, device: str) -> nn.Module:
+    """The checkpoint in float32 with plain `weight` tensors (not repacked for the kernels: they are rewritten)."""
     model = build_model(cfg.hf_config, cfg.architecture, torch.float32, torch.float32, device)
-    load_weights(model, Path(model_dir))
-    return model.eval(), cfg
+    load_weights(model, Path(cfg.model))
+    return model.eval()
 
 
 def _quantize_one(name: str, layer: Linear, h: torch.Tensor, opts: CalibrationOptions
@@ -133,12 +141,17 @@ def quantize_layers(model: nn.Module, samples: list[list[int]], opts: Calibratio
     order = call_order(model, samples[0])
     linears = [n for n, m in order if isinstance(m, Linear)]
     prefix, layers = decoder_layers(model, linears[0])
+    outside = [n for n in linears if not n.startswith(f"{prefix}.") or not n[len(prefix) + 1:].split(".")[0].isdigit()]
+    if outside:  # refused before any layer is calibrated
+        raise UnsupportedError(f"decoder linear(s) {', '.join(outside)} outside {prefix}: cannot calibrate them "
+                               "layer by layer")
     inputs = SequentialInputs(model, samples)
     quantized, results = {}, []
     try:
         for i, decoder_layer in enumerate(layers):
             modules = [(n, m) for n, m in order if n.startswith(f"{prefix}.{i}.")]
             attention: Optional[nn.Module] = None  # one whose inputs are final: replayed once recorded
+            replayed: list[nn.Module] = []
             for name, module in modules:
                 if not isinstance(module, Linear):
                     attention = module
@@ -146,18 +159,20 @@ def quantize_layers(model: nn.Module, samples: list[list[int]], opts: Calibratio
                 h, recorded = inputs.hessian(module, record=attention)
                 if attention is not None:
                     inputs.replay(attention, recorded)
+                    replayed.append(attention)
                     attention = None
                 quantized[name], result = _quantize_one(name, module, h, opts)
                 results.append(result)
             if i + 1 < len(layers):
                 outputs = inputs.outputs(decoder_layer)
-                for done in layers[:i + 1]:  # the earlier layers' outputs are not read: one list, the latest
-                    inputs.replay(done, outputs)
+                for module in replayed:  # the whole layer replays from now on: its attention's outputs are dropped
+                    inputs.restore(module)
+                # Every finished layer returns the latest layer's outputs (the earlier ones' are not read); only
+                # the last one's are handed to a layer that computes, which may update them in place.
+                for done in layers[:i + 1]:
+                    inputs.replay(done, outputs, copy=done is decoder_layer)
     finally:
         inputs.close()
-    if len(quantized) != len(linears):
-        raise UnsupportedError(f"{len(linears) - len(quantized)} decoder linear(s) outside {prefix}: cannot "
-                               "calibrate them layer by layer")
     return quantized, results
 
 
@@ -182,8 +197,8 @@ def write_checkpoint(model: nn.Module, src: Path, out: Path, quantized: dict[str
                                                                      layer.in_features).items()})
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+    for f in src.iterdir():  # config, tokenizer, license...: not other copies of the weights
+        if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES and not f.name.endswith(".index.json"):
             shutil.copy(f, out / f.name)
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = quant_config
@@ -198,8 +213,10 @@ def quantize_checkpoint(model_dir: str, out_dir: str, opts: CalibrationOptions,
         raise InvalidRequestError(f"method {opts.method!r}: expected gptq or rtn", param="method")
     if Path(out_dir).resolve() == Path(model_dir).resolve():
         raise InvalidRequestError("--out must differ from the source checkpoint", param="out")
-    model, cfg = _float_model(model_dir, opts.device)
+    cfg = _float_config(model_dir)
+    # Sampled before the float model is built: the sampling engine's own copy of the weights is gone by then.
     samples = samples if samples is not None else calibration_samples(model_dir, opts)
+    model = _float_model(cfg, opts.device)
     limit = int(cfg.max_model_len)
     samples = [s[:limit] for s in samples if s]
     if not samples:

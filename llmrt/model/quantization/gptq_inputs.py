@@ -28,7 +28,9 @@ class _Stop(Exception):
 
 def _clone(out: Any) -> Any:
     # The fused residual-add + norm updates its inputs in place: a replayed output must be a fresh copy each time.
-    return tuple(_clone(t) for t in out) if isinstance(out, tuple) else out.clone()
+    if isinstance(out, tuple):
+        return tuple(_clone(t) for t in out)
+    return out.clone() if isinstance(out, torch.Tensor) else out
 
 
 def call_order(model: nn.Module, sample: list[int]) -> list[tuple[str, nn.Module]]:
@@ -89,10 +91,24 @@ class SequentialInputs:
             except _Stop:
                 pass
 
-    def replay(self, module: nn.Module, outputs: list[Any]) -> None:
-        """From now on `module` returns (a copy of) its recorded output for the sequence being run."""
+    def replay(self, module: nn.Module, outputs: list[Any], copy: bool = True) -> None:
+        """From now on `module` returns its recorded output for the sequence being run (a copy unless `copy` is
+        False: for a module whose output only other replaying modules see)."""
         self.patched.setdefault(module, module.__dict__.get("forward"))
-        module.forward = lambda *args, **kwargs: _clone(outputs[self.index])
+        if copy:
+            module.forward = lambda *args, **kwargs: _clone(outputs[self.index])
+        else:
+            module.forward = lambda *args, **kwargs: outputs[self.index]
+
+    def restore(self, module: nn.Module) -> None:
+        """`module` computes again (its recorded outputs are released)."""
+        if module not in self.patched:
+            return
+        forward = self.patched.pop(module)
+        if forward is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = forward
 
     def outputs(self, module: nn.Module, stop: bool = True) -> list[Any]:
         """`module`'s output for every sequence (the forward stopped right after it unless `stop` is False)."""
@@ -133,11 +149,7 @@ class SequentialInputs:
 
     def close(self) -> None:
         """Every module computes again; the KV cache is unbound."""
-        for module, forward in self.patched.items():
-            if forward is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = forward
-        self.patched.clear()
+        for module in list(self.patched):
+            self.restore(module)
         for layer in self.model.attention_layers():
             layer.bind(None, None, None)
