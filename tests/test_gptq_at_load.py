@@ -51,7 +51,7 @@ def test_calibration_at_load_meets_the_target_and_is_cached(cache_env, monkeypat
     int4 = quality_of(str(EMBEDDED), tokens, "int4", ref=ref)
     assert gptq.perplexity <= 1.05 * perplexity(ref, tokens), gptq  # measured +2.0% (data-free int4: +5.5%)
     assert gptq.mean_kl < int4.mean_kl, (gptq, int4)  # 0.028 vs 0.037
-    entries = [p for p in cache_env.iterdir() if not p.name.startswith(".")]
+    entries = [p for p in cache_env.iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert len(entries) == 1 and not list(cache_env.glob(".tmp-*"))  # written once, no temporary left
     ckpt = entries[0]
     qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
@@ -181,3 +181,29 @@ def test_a_damaged_entry_is_replaced_and_abandoned_work_removed(tmp_path, monkey
     blocked.write_text("")
     with pytest.raises(ModelLoadError, match="LLMRT_GPTQ_CACHE_DIR"):
         calibrated_checkpoint(str(EMBEDDED), opts, root=blocked / "gptq")
+
+
+def test_a_second_load_waits_for_the_first_calibration(tmp_path, monkeypatch):
+    """Replicas started together: while one process holds an entry's lock, another loading the same model and
+    options waits, then reads the entry the first wrote instead of calibrating again."""
+    import threading
+
+    from llmrt.model.quantization.gptq_at_load import _entry_lock
+
+    def must_not_calibrate(*args, **kwargs):
+        raise AssertionError("calibrated although another load was writing the entry")
+
+    monkeypatch.setattr(gptq_calibrate, "quantize_checkpoint", must_not_calibrate)
+    opts = calibration_options(calibrated())
+    final = tmp_path / cache_key(str(EMBEDDED), opts)
+    got = []
+    with _entry_lock(tmp_path / f"{final.name}.lock"):  # the first "process" (another open file: flock blocks)
+        waiter = threading.Thread(target=lambda: got.append(calibrated_checkpoint(str(EMBEDDED), opts, root=tmp_path)))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not got  # waiting on the lock
+        final.mkdir()
+        for name in ("config.json", "model.safetensors", MARKER):
+            (final / name).write_text("{}")
+    waiter.join(30)
+    assert got and got[0].cached and got[0].path == final

@@ -6,11 +6,13 @@ its defaults otherwise), writes the GPTQ checkpoint into `<root>/<key>` (root: $
 (`gptq_awq.py`); later loads with the same model files and options read the cached checkpoint. The key covers
 the model directory's files by name, size and mtime_ns (not their content: hashing a multi-GB checkpoint would
 cost more than loading it), the options, the calibration file's content hash and CACHE_VERSION. A checkpoint is
-written into a temporary directory and renamed into place, so a crash or a second process never leaves half of
-one (two processes loading at once both calibrate; the first rename wins).
+written into a temporary directory and renamed into place under a lock file, so a crash never leaves half of one
+and processes loading the same model at once calibrate it once (the others wait and read it).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gc
 import hashlib
 import json
@@ -21,7 +23,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
@@ -118,25 +120,24 @@ def calibrated_checkpoint(model_dir: str, opts: "CalibrationOptions",
     final = root / cache_key(model_dir, opts)
     if _complete(final):
         return CalibratedCheckpoint(final, True, time.perf_counter() - t)
-    logger.warning("calibrating %s to int4 g%d (GPTQ, %s, %d samples): once per model files and options, cached in %s",
-                   model_dir, opts.spec.group_size, opts.calibration, opts.samples, final)
     tmp = root / f"{_TMP}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        _remove_abandoned(root)
-        report = quantize_checkpoint(model_dir, str(tmp), opts)
-        # Written last: an entry holding it is whole.
-        (tmp / MARKER).write_text(json.dumps(
-            {"source_model": str(Path(model_dir).resolve()), "cache_version": CACHE_VERSION,
-             "seconds": report.seconds, "calibration_tokens": report.calibration_tokens}, indent=2))
-        if final.exists() and not _complete(final):  # a damaged entry (part of it deleted): replaced
-            shutil.rmtree(final, ignore_errors=True)
-        try:
+        with _entry_lock(root / f"{final.name}.lock"):
+            if _complete(final):  # another process calibrated it while this one waited
+                logger.info("another process cached %s; using its checkpoint", final)
+                return CalibratedCheckpoint(final, True, time.perf_counter() - t)
+            logger.warning("calibrating %s to int4 g%d (GPTQ, %s, %d samples): once per model files and options, "
+                           "cached in %s", model_dir, opts.spec.group_size, opts.calibration, opts.samples, final)
+            _remove_abandoned(root)
+            report = quantize_checkpoint(model_dir, str(tmp), opts)
+            # Written last: an entry holding it is whole.
+            (tmp / MARKER).write_text(json.dumps(
+                {"source_model": str(Path(model_dir).resolve()), "cache_version": CACHE_VERSION,
+                 "seconds": report.seconds, "calibration_tokens": report.calibration_tokens}, indent=2))
+            if final.exists():  # a damaged entry (part of it deleted): replaced
+                shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
-        except OSError:
-            if not _complete(final):
-                raise
-            logger.info("another process cached %s first; using its checkpoint", final)
     except OSError as e:
         raise ModelLoadError(f"cannot write the calibrated checkpoint under {root}: {e}; set $LLMRT_GPTQ_CACHE_DIR to "
                              "a writable directory") from e
@@ -146,6 +147,18 @@ def calibrated_checkpoint(model_dir: str, opts: "CalibrationOptions",
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return CalibratedCheckpoint(final, False, time.perf_counter() - t)
+
+
+@contextlib.contextmanager
+def _entry_lock(path: Path) -> Iterator[None]:
+    """Held while an entry is calibrated: a second process loading the same model and options waits for the first
+    and reads its checkpoint (replicas started together calibrate once). Released by the kernel if the holder dies."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _complete(entry: Path) -> bool:
