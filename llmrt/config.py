@@ -147,7 +147,8 @@ class ModelConfig:
 
     @property
     def quantization_label(self) -> str:
-        """How the weights are quantized in words: 'int4 g32', 'int4 g32 gptq (builtin calibration)', 'none'."""
+        """How the weights are quantized in words: 'int4 g32', 'int4 g32 gptq (builtin calibration, 128 samples)',
+        'none'."""
         if not self.quantization:
             return "none"
         label = f"{self.quantization} g{self.quant_group_size}" if self.quantization == "int4" else self.quantization

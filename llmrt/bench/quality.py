@@ -18,6 +18,7 @@ from llmrt.attention import build_common_metadata, select_attention_backend
 from llmrt.attention.kv_quant import allocate_kv
 from llmrt.config import ModelConfig
 from llmrt.engine.memory_plan import parameter_bytes
+from llmrt.engine_args import default_of
 from llmrt.hardware import check_formats
 from llmrt.model.loader import load_model
 
@@ -136,7 +137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-calibration", default="none", metavar="{none,builtin,PATH}",
                    help="int4 configurations calibrated by GPTQ at load, as `serve --quant-calibration` (the "
                         "checkpoint cached; int8 is unaffected) (default: %(default)s)")
-    p.add_argument("--quant-calibration-samples", type=int, default=128,
+    p.add_argument("--quant-calibration-samples", type=int, default=default_of(ModelConfig, "quant_calibration_samples"),
                    help="--quant-calibration: calibration sequences (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"], help="also for the quantized runs")
     p.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda or cuda:N")

@@ -71,7 +71,7 @@ def check_calibration(calibration: str, quantization: Optional[str], model: str,
         return calibration
     path = Path(calibration)
     if not path.is_file():
-        raise InvalidRequestError(f"calibration file {path} does not exist", param="quant_calibration")
+        raise InvalidRequestError(f"calibration file {path} does not exist or is not a file", param="quant_calibration")
     return str(path.resolve())
 
 
