@@ -37,11 +37,15 @@ CONFIGS = {  # label -> LLM options
     # decode step) in bf16 rather than fp32: what a user fitting the model in less memory would run.
     "int8 (bf16)": dict(dtype="bfloat16", quantization="int8"),
     "int4 g32 (bf16)": dict(dtype="bfloat16", quantization="int4", quant_group_size=32),
+    # Calibrated by GPTQ at load (cached in $LLMRT_GPTQ_CACHE_DIR; minutes on the first run): by --configs only.
+    "int4 g32 calibrated (bf16)": dict(dtype="bfloat16", quantization="int4", quant_group_size=32,
+                                       quant_calibration="builtin"),
     # CUDA sm_89+ only (refused on CPUs): e4m3 weights and per-token e4m3 activations on the fp8 tensor cores.
     "fp8 (bf16)": dict(dtype="bfloat16", quantization="fp8"),
     "bf16 + kv fp8": dict(dtype="bfloat16", kv_cache_dtype="fp8"),
 }
-CPU_CONFIGS = [k for k, v in CONFIGS.items() if v.get("quantization") != "fp8" and v.get("kv_cache_dtype") != "fp8"]
+CPU_CONFIGS = [k for k, v in CONFIGS.items() if v.get("quantization") != "fp8" and v.get("kv_cache_dtype") != "fp8"
+               and "quant_calibration" not in v]
 
 
 def main() -> None:
@@ -64,7 +68,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     if args.configs is None:
-        args.configs = list(CONFIGS) if device.type == "cuda" else CPU_CONFIGS
+        args.configs = [k for k, v in CONFIGS.items() if "quant_calibration" not in v] if device.type == "cuda" \
+            else CPU_CONFIGS
     # CPU engines take a fixed KV budget; CUDA ones a share of the card, small enough for every config at once.
     memory = dict(kv_cache_memory=64 << 20) if device.type == "cpu" else dict(gpu_memory_utilization=0.05)
     if args.threads:  # on a loaded machine 2 OpenMP threads wait for each other at every matmul's barrier
