@@ -91,13 +91,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "dequantized)")
     g.add_argument("--quant-group-size", type=int, default=default_of(ModelConfig, "quant_group_size"),
                    choices=list(QUANT_GROUP_SIZES), help="int4: weights per scale group (default: %(default)s)")
-    g.add_argument("--quant-calibration", default=default_of(ModelConfig, "quant_calibration"), metavar="{none,builtin,PATH}",
+    g.add_argument("--quant-calibration", default=default_of(ModelConfig, "quant_calibration"),
+                   metavar="{none,builtin,PATH}",
                    help="with --quantization int4: calibrate the int4 weights by GPTQ at load (asymmetric groups of "
                         "--quant-group-size, on activations through the model) on 'builtin' sequences the float "
                         "model samples itself or on a text file; the GPTQ checkpoint is cached under "
                         "$LLMRT_CACHE_DIR/gptq (default ~/.cache/llmrt/gptq, or $LLMRT_GPTQ_CACHE_DIR) keyed by the "
-                        "model files and options, so only the first load pays for it. none: the data-free fit (default: %(default)s; docs/quantization.md)")
-    g.add_argument("--quant-calibration-samples", type=int, default=default_of(ModelConfig, "quant_calibration_samples"),
+                        "model files and options, so only the first load pays for it. none: the data-free fit "
+                        "(default: %(default)s; docs/quantization.md)")
+    g.add_argument("--quant-calibration-samples", type=int,
+                   default=default_of(ModelConfig, "quant_calibration_samples"),
                    help="--quant-calibration: calibration sequences of up to 256 tokens (default: %(default)s)")
     g.add_argument("--lm-head-quantization", default=default_of(ModelConfig, "lm_head_quantization"),
                    choices=["auto", "int8", "none"],

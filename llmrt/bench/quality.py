@@ -137,7 +137,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-calibration", default="none", metavar="{none,builtin,PATH}",
                    help="int4 configurations calibrated by GPTQ at load, as `serve --quant-calibration` (the "
                         "checkpoint cached; int8 is unaffected) (default: %(default)s)")
-    p.add_argument("--quant-calibration-samples", type=int, default=default_of(ModelConfig, "quant_calibration_samples"),
+    p.add_argument("--quant-calibration-samples", type=int,
+                   default=default_of(ModelConfig, "quant_calibration_samples"),
                    help="--quant-calibration: calibration sequences (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"], help="also for the quantized runs")
     p.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda or cuda:N")

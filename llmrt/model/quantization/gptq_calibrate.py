@@ -128,7 +128,8 @@ def _quantize_one(name: str, layer: Linear, h: torch.Tensor, opts: CalibrationOp
     rtn = rtn_quantize(wp, opts.spec)
     qzs = gptq_quantize(wp, hp, opts.spec, opts.damp) if opts.method == "gptq" else rtn
     wq = dequantize(*qzs, opts.spec.group_size)[:, :k]
-    result = LayerResult(name, output_error(w, wq, h), output_error(w, dequantize(*rtn, opts.spec.group_size)[:, :k], h))
+    rtn_error = output_error(w, dequantize(*rtn, opts.spec.group_size)[:, :k], h)
+    result = LayerResult(name, output_error(w, wq, h), rtn_error)
     logger.info("%s: output error %.4g (round-to-nearest %.4g)", name, result.error, result.rtn_error)
     layer.weight.data = wq.to(w.dtype)
     return tuple(t.cpu() for t in qzs), result
