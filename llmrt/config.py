@@ -394,7 +394,9 @@ class EngineConfig:
         return {"dtype": str(self.model.torch_dtype).replace("torch.", ""), "quantization": self.model.quantization,
                 "quant_group_size": self.model.quant_group_size if self.model.quantization == "int4" else None,
                 "lm_head_quantization": self.model.lm_head_quantization,
-                "quant_calibration": self.model.quant_calibration,
+                # A calibration file by its name only: /version does not show the server's paths.
+                "quant_calibration": self.model.quant_calibration if self.model.quant_calibration in ("none", "builtin")
+                else "file:" + Path(self.model.quant_calibration).name,
                 "quant_calibration_samples": self.model.quant_calibration_samples
                 if self.model.quant_calibration != "none" else None,
                 "kv_cache_dtype": self.cache.kv_cache_dtype, "formats": [f.as_dict() for f in self.formats]}

@@ -136,6 +136,10 @@ def test_flags_and_reports(tmp_path, cache_env, capsys):
     report = config.formats_report()  # what GET /version shows
     assert report["quant_calibration"] == "builtin" and report["quant_calibration_samples"] == 16
     assert report["lm_head_quantization"] == "int8"
+    text = tmp_path / "calibration text.txt"
+    text.write_text("Once upon a time " * 20)
+    with_file = EngineConfig.create(str(EMBEDDED), **{**kw, "quant_calibration": str(text)}).formats_report()
+    assert with_file["quant_calibration"] == "file:calibration text.txt"  # not the server's path
     assert main(["plan", str(EMBEDDED), "--memory", "1GiB", "--quantization", "int4", "--quant-calibration",
                  "builtin", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
