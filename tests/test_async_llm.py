@@ -64,6 +64,27 @@ def test_stream_matches_offline_and_frees_blocks():
     run(main())
 
 
+def test_final_only_outputs_for_plain_requests():
+    """stream=False yields one output, the finished one, equal to a streamed request's last (stop strings still
+    cut the text: they are found step by step in the front end)."""
+    params = SamplingParams(max_tokens=40, temperature=0, stop=["little"])
+
+    async def main():
+        eng = await _engine()
+        try:
+            streamed = [out async for out in eng.generate("Once upon a time", params, "s")]
+            plain = [out async for out in eng.generate("Once upon a time", params, "p", stream=False)]
+            assert len(streamed) > 1 and len(plain) == 1 and plain[0].finished
+            a, b = streamed[-1].outputs[0], plain[0].outputs[0]
+            assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == (a.text, a.token_ids, a.finish_reason,
+                                                                             a.stop_reason)
+            assert b.finish_reason == "stop" and b.stop_reason == "little"
+            assert plain[0].metrics.ttft is not None and plain[0].metrics.inter_token_latencies
+        finally:
+            await eng.shutdown()
+    run(main())
+
+
 def test_consumer_leaving_aborts_and_frees_blocks():
     async def main():
         eng = await _engine()

@@ -42,7 +42,7 @@ class FakeEngine:
         self.hang = False  # never produce an output, like a stalled engine core
 
     async def generate(self, prompt, params: SamplingParams, request_id: str, *, priority: int = 0,
-                       timeout: Optional[float] = None, user: Optional[str] = None):
+                       timeout: Optional[float] = None, user: Optional[str] = None, stream: bool = True):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -54,7 +54,7 @@ class FakeEngine:
         if self.admission_error is not None:
             raise self.admission_error
         self.calls.append({"prompt": ids, "params": params, "id": request_id, "priority": priority,
-                           "timeout": timeout, "user": user})
+                           "timeout": timeout, "user": user, "stream": stream})
         proc = OutputProcessor(self.tokenizer)
         state = proc.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                                  time.monotonic())
@@ -74,7 +74,8 @@ class FakeEngine:
                         for s in state.samples if s.finish_reason is None]
                 proc.process(outs)
                 finished = state.finished
-                yield state.to_output()
+                if stream or finished:
+                    yield state.to_output()
                 if finished:
                     return
         finally:
@@ -163,6 +164,7 @@ def test_completion_shape_and_usage(client, engine):
     assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 7, "total_tokens": n_prompt + 7,
                              "prompt_tokens_details": {"cached_tokens": 0}}
     assert r.headers["x-request-id"]
+    assert engine.calls[-1]["stream"] is False  # a plain response asks the engine for the finished output only
 
 
 def test_several_prompts_and_n(client, engine):
@@ -226,6 +228,7 @@ def test_completion_stream_deltas_add_up(client, engine):
     r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 12, "stream": True, "n": 2,
                                              "stream_options": {"include_usage": True}})
     assert r.headers["content-type"].startswith("text/event-stream")
+    assert all(c["stream"] for c in engine.calls)
     events = _events(r)
     assert events[-1] == "[DONE]"
     chunks = events[:-1]

@@ -31,9 +31,10 @@ logger = logging.getLogger(__name__)
 class _Stream:
     """The latest cumulative output of one request, and a flag that a newer one (or an error) is there."""
 
-    def __init__(self) -> None:
+    def __init__(self, final_only: bool = False) -> None:
         self.latest: Union[None, RequestOutput, Exception] = None
         self.event = asyncio.Event()
+        self.final_only = final_only  # the consumer wants the finished output only (or an error)
 
     def put(self, item: Union[RequestOutput, Exception]) -> None:
         if not isinstance(self.latest, Exception):  # an error is final
@@ -135,9 +136,10 @@ class AsyncLLM:
 
     # -- requests --------------------------------------------------------------------------------------
     async def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str, *,
-                       priority: int = 0, timeout: Optional[float] = None,
-                       user: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output after each step that changed it, until it finishes."""
+                       priority: int = 0, timeout: Optional[float] = None, user: Optional[str] = None,
+                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative output after each step that changed it, until it finishes; with
+        `stream` False only the finished one (the text is still decoded, and stop strings found, step by step)."""
         if self._dead is not None:
             raise self._dead
         if request_id in self._streams:
@@ -152,19 +154,19 @@ class AsyncLLM:
             raise InvalidRequestError("timeout must be positive", param="timeout")
         arrival = time.monotonic()
         deadline = arrival + timeout if timeout is not None else None
-        stream = _Stream()
+        out_stream = _Stream(final_only=not stream)
         if not self._streams:
             self._last_progress = arrival  # idle until now is not a hang
-        self._streams[request_id] = stream
+        self._streams[request_id] = out_stream
         self.processor.add_request(request_id, text, ids, params, arrival)
         self._inbox.put(AddRequest(request_id, ids, params, arrival, priority, deadline, user))
         self.admission.submitted(request_id, len(ids))
         finished = False
         try:
             while True:
-                await stream.event.wait()
-                stream.event.clear()
-                item = stream.latest
+                await out_stream.event.wait()
+                out_stream.event.clear()
+                item = out_stream.latest
                 if isinstance(item, Exception):
                     finished = True
                     raise item
@@ -277,7 +279,9 @@ class AsyncLLM:
             self._inbox.put(FinishSequence(request_id, index))
         for state in states:
             stream = self._streams.get(state.request_id)
-            if stream is not None:
+            # A snapshot per step only for streamed requests: it copies every token id so far, and waking the
+            # consumer costs more per token than the engine step's own outputs on a small CPU.
+            if stream is not None and (state.finished or not stream.final_only):
                 stream.put(state.to_output())
 
     def _on_dead(self, exitcode: Optional[int]) -> None:

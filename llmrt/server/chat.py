@@ -136,7 +136,8 @@ async def create_chat_completion(state: ServerState, req: P.ChatCompletionReques
     head = start_response(state, request, "chatcmpl", req, params.max_tokens)
     texts = TokenTexts(tokenizer, as_ids=bool(req.return_tokens_as_token_ids))
     gen = Generation(state.engine, [prompt_ids], params, head.id, priority=req.priority or 0, user=req.user,
-                     timeout=req.timeout, default_timeout=state.default_timeout, prompt_param="messages")
+                     timeout=req.timeout, default_timeout=state.default_timeout, prompt_param="messages",
+                     stream=bool(req.stream))
     stream = None
     if req.stream:
         stream = ChatStream(head, bool(req.stream_options and req.stream_options.include_usage), texts=texts,

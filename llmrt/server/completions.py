@@ -128,7 +128,7 @@ async def create_completion(state: ServerState, req: P.CompletionRequest, reques
     prompt_ids, echo = await state.offload.run(prepare_prompts, state, prompts, bool(req.echo), params)
     texts = TokenTexts(tokenizer, as_ids=bool(req.return_tokens_as_token_ids))
     gen = Generation(state.engine, prompt_ids, params, head.id, priority=req.priority or 0, user=req.user,
-                     timeout=req.timeout, default_timeout=state.default_timeout)
+                     timeout=req.timeout, default_timeout=state.default_timeout, stream=bool(req.stream))
     stream = None
     if req.stream:
         stream = CompletionStream(head, bool(req.stream_options and req.stream_options.include_usage),

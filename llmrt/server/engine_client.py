@@ -27,9 +27,10 @@ class EngineClient(Protocol):
         ...
 
     def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str, *,
-                 priority: int = 0, timeout: Optional[float] = None,
-                 user: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        """The request's cumulative outputs until it finishes; closing the iterator early aborts it."""
+                 priority: int = 0, timeout: Optional[float] = None, user: Optional[str] = None,
+                 stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """The request's cumulative outputs until it finishes (only the finished one unless `stream`); closing
+        the iterator early aborts it."""
         ...
 
     async def abort(self, request_id: str) -> None:

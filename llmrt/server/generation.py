@@ -35,14 +35,15 @@ class Generation:
 
     def __init__(self, engine: EngineClient, prompts: list[Prompt], params: SamplingParams, base_id: str, *,
                  priority: int = 0, timeout: Optional[float] = None, default_timeout: Optional[float] = None,
-                 prompt_param: str = "prompt", user: Optional[str] = None):
+                 prompt_param: str = "prompt", user: Optional[str] = None, stream: bool = True):
         """`timeout` goes to the engine (None: the engine's default); `default_timeout` is that default.
 
-        `prompt_param` is the API field the prompt came from: engine errors about the prompt name it.
+        `prompt_param` is the API field the prompt came from: engine errors about the prompt name it. `stream`
+        False: each prompt's finished output only (a plain JSON response needs no other).
         """
         self.prompt_param = prompt_param
         self.request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        self.gens = [engine.generate(p, params, rid, priority=priority, timeout=timeout, user=user)
+        self.gens = [engine.generate(p, params, rid, priority=priority, timeout=timeout, user=user, stream=stream)
                      for p, rid in zip(prompts, self.request_ids)]
         self.params = params
         limit = timeout if timeout is not None else default_timeout
