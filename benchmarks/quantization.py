@@ -44,8 +44,9 @@ CONFIGS = {  # label -> LLM options
     "fp8 (bf16)": dict(dtype="bfloat16", quantization="fp8"),
     "bf16 + kv fp8": dict(dtype="bfloat16", kv_cache_dtype="fp8"),
 }
-CPU_CONFIGS = [k for k, v in CONFIGS.items() if v.get("quantization") != "fp8" and v.get("kv_cache_dtype") != "fp8"
-               and "quant_calibration" not in v]
+DEFAULT_CONFIGS = [k for k, v in CONFIGS.items() if "quant_calibration" not in v]
+CPU_CONFIGS = [k for k in DEFAULT_CONFIGS if CONFIGS[k].get("quantization") != "fp8"
+               and CONFIGS[k].get("kv_cache_dtype") != "fp8"]
 
 
 def main() -> None:
@@ -68,8 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     if args.configs is None:
-        args.configs = [k for k, v in CONFIGS.items() if "quant_calibration" not in v] if device.type == "cuda" \
-            else CPU_CONFIGS
+        args.configs = DEFAULT_CONFIGS if device.type == "cuda" else CPU_CONFIGS
     # CPU engines take a fixed KV budget; CUDA ones a share of the card, small enough for every config at once.
     memory = dict(kv_cache_memory=64 << 20) if device.type == "cpu" else dict(gpu_memory_utilization=0.05)
     if args.threads:  # on a loaded machine 2 OpenMP threads wait for each other at every matmul's barrier

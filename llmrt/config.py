@@ -153,8 +153,10 @@ class ModelConfig:
             return "none"
         label = f"{self.quantization} g{self.quant_group_size}" if self.quantization == "int4" else self.quantization
         if self.quant_calibration != "none":
-            source = "builtin" if self.quant_calibration == "builtin" else Path(self.quant_calibration).name
-            label += f" gptq ({source} calibration, {self.quant_calibration_samples} samples)"
+            from llmrt.model.quantization.gptq_at_load import calibration_source
+
+            label += f" gptq ({calibration_source(self.quant_calibration)} calibration, " \
+                     f"{self.quant_calibration_samples} samples)"
         return label
 
     def derived_max_len(self) -> int:
@@ -391,12 +393,12 @@ class EngineConfig:
 
     def formats_report(self) -> dict[str, Any]:
         """The weight and KV formats chosen and how this device computes them (for /version and logs)."""
+        from llmrt.model.quantization.gptq_at_load import calibration_source
+
         return {"dtype": str(self.model.torch_dtype).replace("torch.", ""), "quantization": self.model.quantization,
                 "quant_group_size": self.model.quant_group_size if self.model.quantization == "int4" else None,
                 "lm_head_quantization": self.model.lm_head_quantization,
-                # A calibration file by its name only: /version does not show the server's paths.
-                "quant_calibration": self.model.quant_calibration if self.model.quant_calibration in ("none", "builtin")
-                else "file:" + Path(self.model.quant_calibration).name,
+                "quant_calibration": calibration_source(self.model.quant_calibration),
                 "quant_calibration_samples": self.model.quant_calibration_samples
                 if self.model.quant_calibration != "none" else None,
                 "kv_cache_dtype": self.cache.kv_cache_dtype, "formats": [f.as_dict() for f in self.formats]}

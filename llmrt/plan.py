@@ -110,12 +110,12 @@ def build_plan(args: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     limit = args.max_model_len or context_limit(hf)
     from llmrt.model.quantization import resolve_lm_head
 
-    from llmrt.model.quantization.gptq_at_load import check_calibration
+    from llmrt.model.quantization.gptq_at_load import calibration_source, check_calibration
     from llmrt.model.quantization.gptq_awq import checkpoint_quantization
 
     # The refusals `serve` makes at configuration time, with the same errors.
-    calibration = check_calibration(getattr(args, "quant_calibration", "none"), args.quantization, args.model, hf,
-                                    default_of(ModelConfig, "quant_calibration_samples"))
+    calibration = calibration_source(check_calibration(args.quant_calibration, args.quantization, args.model, hf,
+                                                       default_of(ModelConfig, "quant_calibration_samples")))
     lm_head = resolve_lm_head(args.lm_head_quantization, args.quantization or checkpoint_quantization(hf))
     plan = plan_memory(hf, memory_bytes=args.memory, dtype=dtype, kv_dtype=kv_dtype, tp=args.tp,
                        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -208,7 +208,6 @@ def test_replayed_inputs_are_those_of_full_forwards(arch, tmp_path, monkeypatch,
     already-quantized layers gives (the reference below re-runs the model prefix for every linear, as the
     calibration did before the replay), bitwise, and no module may be left replaying."""
     from llmrt.bench.quality import prefill
-    from llmrt.model.loader import build_model, load_weights
     from llmrt.model.quantization import gptq_calibrate as gc
 
     src = build_checkpoint(arch, tmp_path / "src")
@@ -216,10 +215,7 @@ def test_replayed_inputs_are_those_of_full_forwards(arch, tmp_path, monkeypatch,
     opts = CalibrationOptions(spec=QuantSpec(32, False), samples=3, seq_len=64)
 
     def fresh():
-        cfg = ModelConfig(str(src), dtype="float32")
-        model = build_model(cfg.hf_config, cfg.architecture, torch.float32, torch.float32, "cpu")
-        load_weights(model, src)
-        return model.eval()
+        return gc._float_model(ModelConfig(str(src), dtype="float32"), "cpu")
 
     seen: dict[str, torch.Tensor] = {}
     real = gc._quantize_one

@@ -42,26 +42,38 @@ def teacher_forced_logits(model_cfg: ModelConfig, tokens: list[int], kv_cache_dt
     return torch.cat([model.compute_logits(h) for h in hidden]).float().cpu(), parameter_bytes(model)
 
 
+def bind_fresh_kv(model: torch.nn.Module, blocks: int, block_size: int, dtype: torch.dtype,
+                  kv_cache_dtype: str = "auto") -> Any:
+    """A fresh paged KV cache of `blocks` blocks bound to every attention layer of `model` (on its device), with
+    the torch attention backend, which it returns."""
+    device = next(model.parameters()).device
+    backend = select_attention_backend("torch", device)
+    caches = allocate_kv(model.kv_cache_spec(), blocks, block_size, dtype, kv_cache_dtype, device)
+    for layer, (k, v) in zip(model.attention_layers(), caches):
+        layer.bind(k, v, backend)
+    return backend
+
+
+def chunk_inputs(ids: list[int], start: int, table: list[int], block_size: int, backend: Any,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """The forward arguments of one prefill chunk of a sequence: its tokens `ids` at positions start.., the
+    sequence's KV in blocks `table`."""
+    pos = torch.arange(start, start + len(ids))
+    common = build_common_metadata([table], [len(ids)], [start + len(ids)], pos, 0, block_size, device)
+    return torch.tensor(ids, device=device), pos.to(device), backend.build_metadata(common)
+
+
 @torch.inference_mode()
 def prefill(model: torch.nn.Module, dtype: torch.dtype, tokens: list[int], kv_cache_dtype: str = "auto",
             block_size: int = 4, chunk: int = 16) -> list[torch.Tensor]:
     """The final hidden states of one sequence, prefilled in chunks through a fresh paged KV cache (so later
     chunks read earlier KV back from the cache), on the model's device."""
     device = next(model.parameters()).device
-    spec = model.kv_cache_spec()
-    backend = select_attention_backend("torch", device)
     blocks = -(-len(tokens) // block_size)
-    caches = allocate_kv(spec, blocks, block_size, dtype, kv_cache_dtype, device)
-    for layer, (k, v) in zip(model.attention_layers(), caches):
-        layer.bind(k, v, backend)
+    backend = bind_fresh_kv(model, blocks, block_size, dtype, kv_cache_dtype)
     table = list(range(blocks))
-    out = []
-    for start in range(0, len(tokens), chunk):
-        ids = tokens[start:start + chunk]
-        pos = torch.arange(start, start + len(ids))
-        common = build_common_metadata([table], [len(ids)], [start + len(ids)], pos, 0, block_size, device)
-        out.append(model(torch.tensor(ids, device=device), pos.to(device), backend.build_metadata(common)))
-    return out
+    return [model(*chunk_inputs(tokens[start:start + chunk], start, table, block_size, backend, device))
+            for start in range(0, len(tokens), chunk)]
 
 
 @dataclass

@@ -75,6 +75,11 @@ def check_calibration(calibration: str, quantization: Optional[str], model: str,
     return str(path.resolve())
 
 
+def calibration_source(calibration: str) -> str:
+    """How reports name a (normalized) calibration: "none", "builtin", or "file:NAME" (not the server's path)."""
+    return calibration if calibration in ("none", "builtin") else "file:" + Path(calibration).name
+
+
 def calibration_options(model_cfg: "ModelConfig", device: str = "cpu") -> "CalibrationOptions":
     """What the load calibrates with: GPTQ, asymmetric groups of the configured size, `llmrt quantize`'s defaults."""
     from llmrt.model.quantization.gptq_calibrate import CalibrationOptions

@@ -13,8 +13,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from llmrt.attention import build_common_metadata, select_attention_backend
-from llmrt.attention.kv_quant import allocate_kv
+from llmrt.bench.quality import bind_fresh_kv, chunk_inputs
 from llmrt.errors import UnsupportedError
 from llmrt.model.layers.attention import Attention
 from llmrt.model.layers.linear import Linear
@@ -69,17 +68,10 @@ class SequentialInputs:
     def __init__(self, model: nn.Module, samples: list[list[int]]):
         self.model, self.samples, self.index = model, samples, 0
         device = next(model.parameters()).device
-        backend = select_attention_backend("torch", device)
-        blocks = -(-max(map(len, samples)) // BLOCK_SIZE)
-        caches = allocate_kv(model.kv_cache_spec(), blocks, BLOCK_SIZE, torch.float32, "auto", device)
-        for layer, (k, v) in zip(model.attention_layers(), caches):
-            layer.bind(k, v, backend)
-        self.inputs = []
-        for tokens in samples:  # every sequence starts at block 0: each prefill overwrites the last one's KV
-            pos = torch.arange(len(tokens))
-            common = build_common_metadata([list(range(-(-len(tokens) // BLOCK_SIZE)))], [len(tokens)],
-                                           [len(tokens)], pos, 0, BLOCK_SIZE, device)
-            self.inputs.append((torch.tensor(tokens, device=device), pos.to(device), backend.build_metadata(common)))
+        backend = bind_fresh_kv(model, -(-max(map(len, samples)) // BLOCK_SIZE), BLOCK_SIZE, torch.float32)
+        # Every sequence starts at block 0: each prefill overwrites the last one's KV.
+        self.inputs = [chunk_inputs(tokens, 0, list(range(-(-len(tokens) // BLOCK_SIZE))), BLOCK_SIZE, backend,
+                                    device) for tokens in samples]
         self.patched: dict[nn.Module, Any] = {}
 
     def run(self) -> None:
@@ -110,14 +102,13 @@ class SequentialInputs:
         else:
             module.forward = forward
 
-    def outputs(self, module: nn.Module, stop: bool = True) -> list[Any]:
-        """`module`'s output for every sequence (the forward stopped right after it unless `stop` is False)."""
+    def outputs(self, module: nn.Module) -> list[Any]:
+        """`module`'s output for every sequence (the forward stopped right after it)."""
         out: list[Any] = []
 
         def hook(mod: nn.Module, args: tuple, result: Any) -> None:
             out.append(_clone(result))
-            if stop:
-                raise _Stop
+            raise _Stop
 
         handle = module.register_forward_hook(hook)
         try:
