@@ -14,13 +14,12 @@ from typing import Any, Optional
 
 import torch
 
-from llmrt.attention import build_common_metadata, select_attention_backend
-from llmrt.attention.kv_quant import allocate_kv
 from llmrt.config import ModelConfig
 from llmrt.engine.memory_plan import parameter_bytes
 from llmrt.engine_args import default_of
 from llmrt.hardware import check_formats
 from llmrt.model.loader import load_model
+from llmrt.model.standalone import bind_fresh_kv, chunk_inputs
 
 DEFAULT_TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with "
                 "her friends. One day, she saw a big red ball under a tree. She wanted to play with it, so she ran "
@@ -40,27 +39,6 @@ def teacher_forced_logits(model_cfg: ModelConfig, tokens: list[int], kv_cache_dt
     model = load_model(model_cfg, device)
     hidden = prefill(model, model_cfg.torch_dtype, tokens, kv_cache_dtype, block_size, chunk)
     return torch.cat([model.compute_logits(h) for h in hidden]).float().cpu(), parameter_bytes(model)
-
-
-def bind_fresh_kv(model: torch.nn.Module, blocks: int, block_size: int, dtype: torch.dtype,
-                  kv_cache_dtype: str = "auto") -> Any:
-    """A fresh paged KV cache of `blocks` blocks bound to every attention layer of `model` (on its device), with
-    the torch attention backend, which it returns."""
-    device = next(model.parameters()).device
-    backend = select_attention_backend("torch", device)
-    caches = allocate_kv(model.kv_cache_spec(), blocks, block_size, dtype, kv_cache_dtype, device)
-    for layer, (k, v) in zip(model.attention_layers(), caches):
-        layer.bind(k, v, backend)
-    return backend
-
-
-def chunk_inputs(ids: list[int], start: int, table: list[int], block_size: int, backend: Any,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """The forward arguments of one prefill chunk of a sequence: its tokens `ids` at positions start.., the
-    sequence's KV in blocks `table`."""
-    pos = torch.arange(start, start + len(ids))
-    common = build_common_metadata([table], [len(ids)], [start + len(ids)], pos, 0, block_size, device)
-    return torch.tensor(ids, device=device), pos.to(device), backend.build_metadata(common)
 
 
 @torch.inference_mode()

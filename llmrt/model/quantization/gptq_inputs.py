@@ -13,10 +13,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from llmrt.bench.quality import bind_fresh_kv, chunk_inputs
 from llmrt.errors import UnsupportedError
 from llmrt.model.layers.attention import Attention
 from llmrt.model.layers.linear import Linear
+from llmrt.model.standalone import bind_fresh_kv, chunk_inputs
 
 BLOCK_SIZE = 16
 
