@@ -31,11 +31,12 @@ constexpr int BD_MB = 4;  // activation rows per tile: 4 group accumulators + 4 
 // or permute, and one vdpbf16ps per plane serves the 4 rows (fp32 lanes 4r..4r+3 sum row r's products). The
 // activations each plane needs, x[0,2,..,14], x[16,18,..,30], x[1,3,..,15], x[17,19,..,31], are stored per chunk
 // as 4 x 8 bf16 (the chunk's 64 bytes reordered) and broadcast to the 4 rows by the load. Also each group's sum of
-// x (fp32, the same for every weight row), divided by 4: it is added to 4 lanes per row.
+// x (fp32), four times over (gsum[4g + r] for the 4 weight rows), in whole vectors of 4 groups (zeros past the
+// last): the offset terms of 4 groups take one FMA per block (offsets()).
 struct PlaneRows {
   std::vector<uint16_t> x;
-  std::vector<float> gsum4;
-  int64_t chunks = 0, groups = 0;
+  std::vector<float> gsum;
+  int64_t chunks = 0, groups = 0, gvecs = 0;  // gvecs: 16-float vectors of group sums per row
 };
 
 PlaneRows plane_rows(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int64_t gs) {
@@ -44,7 +45,8 @@ PlaneRows plane_rows(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, 
   d.chunks = Kp / 32;
   d.groups = Kp / gs;
   d.x.assign(M * d.chunks * 32, 0);
-  d.gsum4.assign(M * d.groups, 0.0f);
+  d.gvecs = (d.groups + 3) / 4;
+  d.gsum.assign(M * d.gvecs * 16, 0.0f);
   for (int64_t i = 0; i < M; ++i) {
     const uint16_t* src = reinterpret_cast<const uint16_t*>(x + i * ldx);
     uint16_t* dst = d.x.data() + i * d.chunks * 32;
@@ -57,10 +59,41 @@ PlaneRows plane_rows(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, 
     for (int64_t g = 0; g < d.groups; ++g) {
       float s = 0.0f;
       for (int64_t k = g * gs; k < std::min<int64_t>(K, (g + 1) * gs); ++k) s += to_f(src[k]);
-      d.gsum4[i * d.groups + g] = s * 0.25f;
+      for (int r = 0; r < 4; ++r) d.gsum[(i * d.gvecs * 4 + g) * 4 + r] = s;
     }
   }
   return d;
+}
+
+// The offset term (z - 136 s) * sum_k x_k of every group of block b, summed per row: 4 groups' 16 (scale, zero)
+// pairs are one 64-byte load (lane 4g + r: s in the low, z in the high half), their offsets one FMA, times the
+// groups' sums one more. In the group loop these took 4 ops per group (12% of the 1-row GEMV at group 32).
+// Returns per activation row a vector whose lanes 4r..4r+3 sum to row r's offset (lane 4r holds it, the others 0),
+// to be added to the products' lanes.
+template <int mb>
+inline void offsets(const Int4& l, int64_t b, const PlaneRows& d, int64_t m0, __m512* off) {
+  const uint16_t* g = l.sz + b * d.groups * NB * 2;
+  const __m512 k136 = _mm512_set1_ps(136.0f);
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  __m512 acc[mb];
+  for (int i = 0; i < mb; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t v = 0; v < d.gvecs; ++v) {
+    const int64_t left = d.groups - 4 * v;  // groups in this vector (the last may hold fewer)
+    const __mmask16 m = left >= 4 ? __mmask16(0xFFFF) : __mmask16((1u << (4 * left)) - 1);
+    const __m512i pairs = _mm512_maskz_loadu_epi32(m, g + 32 * v);
+    const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    const __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+    const __m512 o = _mm512_fnmadd_ps(sv, k136, zv);  // z - 136 s
+    for (int i = 0; i < mb; ++i)
+      acc[i] = _mm512_fmadd_ps(o, _mm512_loadu_ps(d.gsum.data() + ((m0 + i) * d.gvecs + v) * 16), acc[i]);
+  }
+  // Lanes 4g + r -> the sum over g in every lane of row r, then row r's into lane 4r alone.
+  const __m512i to_4r = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  for (int i = 0; i < mb; ++i) {
+    __m512 a = _mm512_add_ps(acc[i], _mm512_shuffle_f32x4(acc[i], acc[i], 0x4E));  // + the group 2 apart
+    a = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0xB1));                         // + the neighbouring group
+    off[i] = _mm512_maskz_permutexvar_ps(__mmask16(0x1111), to_4r, a);
+  }
 }
 
 // Block b of the int4 matrix times rows m0..m0+mb of d: out[i][j] = sum_k x[i, k] w[4b + j, k]. Each row gets
@@ -78,12 +111,10 @@ inline void bd_tile(const Int4& l, int64_t b, const PlaneRows& d, int64_t m0, fl
   const __m512i pick_s = _mm512_set_epi8(
       13, 12, -1, -1, 13, 12, -1, -1, 13, 12, -1, -1, 13, 12, -1, -1, 9, 8, -1, -1, 9, 8, -1, -1, 9, 8, -1, -1, 9, 8, -1, -1,
       5, 4, -1, -1, 5, 4, -1, -1, 5, 4, -1, -1, 5, 4, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1);
-  const __m512i pick_z = _mm512_add_epi8(pick_s, _mm512_set1_epi32(0x02020000));  // z_r follows s_r; -1 stays < 0
-  const __m512 k136 = _mm512_set1_ps(136.0f);
   const uint16_t* xr[mb];
   for (int i = 0; i < mb; ++i) xr[i] = d.x.data() + (m0 + i) * d.chunks * 32;
   __m512 tot[mb];
-  for (int i = 0; i < mb; ++i) tot[i] = _mm512_setzero_ps();
+  offsets<mb>(l, b, d, m0, tot);
   for (int64_t gi = 0; gi < d.groups; ++gi, g += 2 * NB) {
     __m512 acc[mb];
     for (int i = 0; i < mb; ++i) acc[i] = _mm512_setzero_ps();
@@ -106,11 +137,7 @@ inline void bd_tile(const Int4& l, int64_t b, const PlaneRows& d, int64_t m0, fl
     // per chunk).
     const __m512i sz = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)g));
     const __m512 s = _mm512_castsi512_ps(_mm512_shuffle_epi8(sz, pick_s));
-    const __m512 o = _mm512_fnmadd_ps(s, k136, _mm512_castsi512_ps(_mm512_shuffle_epi8(sz, pick_z)));  // z - 136 s
-    for (int i = 0; i < mb; ++i) {
-      tot[i] = _mm512_fmadd_ps(acc[i], s, tot[i]);
-      tot[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(d.gsum4[(m0 + i) * d.groups + gi]), tot[i]);
-    }
+    for (int i = 0; i < mb; ++i) tot[i] = _mm512_fmadd_ps(acc[i], s, tot[i]);
   }
   for (int i = 0; i < mb; ++i)
     for (int j = 0; j < NB; ++j) out[i][j] = _mm512_mask_reduce_add_ps(__mmask16(0xF << (4 * j)), tot[i]);
