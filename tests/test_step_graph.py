@@ -134,3 +134,33 @@ def test_a_replay_that_differs_from_eager_falls_back():
     assert torch.equal(graphs.run(1, [x], eager), x * 2)  # the check catches it and returns eager's result
     assert 1 in graphs._eager_only and graphs.recorded == 1
     assert torch.equal(graphs.run(1, [x], eager), x * 2)
+
+
+def test_op_timing_counts_every_replayed_op():
+    """set_timing: per op, wall time summed over the replays since it was turned on; graphs recorded later time
+    too; off, nothing more is added."""
+    w = torch.randn(256, 256)
+    x = torch.randn(4, 256)
+    graphs = StepGraphs(extension(), lambda: [w])
+    eager = lambda: torch.relu(x @ w).sum(0)  # noqa: E731
+    graphs.run(1, [x], eager)  # recorded
+    graphs.run(1, [x], eager)  # the checked first replay
+    graphs.set_timing(True)
+    for _ in range(3):
+        graphs.run(1, [x], eager)
+    ops, runs = graphs.timings()[1]
+    assert runs == 3
+    assert [label.split("(")[0] for label, _ in ops] == ["aten::mm", "aten::relu", "aten::sum"]
+    assert ops[0][0] == "aten::mm(4x256, 256x256)"
+    assert all(ms > 0 for _, ms in ops)
+    y = torch.randn(2, 256)
+    graphs.run(2, [y], lambda: torch.relu(y @ w).sum(0))  # recorded while timing is on
+    graphs.run(2, [y], lambda: torch.relu(y @ w).sum(0))
+    assert graphs.timings()[2][1] == 1
+    graphs.set_timing(False)
+    before = graphs.timings()[1]
+    assert before[1] == 3 and before[0][0][1] > 0  # kept after turning it off
+    graphs.run(1, [x], eager)
+    assert graphs.timings()[1] == before
+    graphs.set_timing(True)  # a new sum
+    assert graphs.timings()[1][1] == 0

@@ -92,6 +92,12 @@ def _schema_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     return values
 
 
+def _label(name: str, args: tuple) -> str:
+    """An op's name with its tensor arguments' shapes, e.g. 'aten::mm(1x768, 768x2304)'."""
+    shapes = ["x".join(map(str, a.shape)) for a in args if isinstance(a, torch.Tensor)]
+    return f"{name}({', '.join(shapes)})"
+
+
 def _is_tensor_list(t: torch._C.Type) -> bool:
     return isinstance(t, torch._C.ListType) and t.getElementType().isSubtypeOf(torch._C.TensorType.get())
 
@@ -119,8 +125,10 @@ class StepGraph:
 
         self.input_slots = [new_slot(t) for t in inputs]
         program = []
+        self.op_labels: list[str] = []  # per op: its name and its tensor arguments' shapes (`timings`)
         for func, args, kwargs, out in calls:
             schema = func._schema
+            self.op_labels.append(_label(schema.name, args))
             for r in schema.returns:  # a Python scalar could steer the recorded forward's control flow
                 if not (r.type.isSubtypeOf(torch._C.TensorType.get()) or _is_tensor_list(r.type)):
                     raise NotReplayable(f"{func} returns {r.type}, which the forward may have branched on")
@@ -158,6 +166,15 @@ class StepGraph:
         """The recorded step's outputs for these inputs (same shapes, dtypes and devices as the recorded ones)."""
         return self._graph.run(list(inputs), self.input_slots, self.output_slots)
 
+    def set_timing(self, on: bool) -> None:
+        """Time every op of later runs (wall clock around each call; on CUDA that is its launch only)."""
+        self._graph.set_timing(on)
+
+    def timings(self) -> tuple[list[tuple[str, float]], int]:
+        """([(op label, total ms)] in program order, runs) since timing was turned on."""
+        ns, runs = self._graph.timings()
+        return [(label, t / 1e6) for label, t in zip(self.op_labels, ns)], runs
+
 
 class StepGraphs:
     """The runner's step graphs, keyed by the step's shape (its number of decode sequences)."""
@@ -171,6 +188,19 @@ class StepGraphs:
         self.enabled = True
         self.recorded = 0
         self.replayed = 0
+        self.timing = False  # graphs time their ops (set_timing; LLMRT_STEP_GRAPH_TIMING=1 from the start)
+        if os.environ.get("LLMRT_STEP_GRAPH_TIMING") == "1":
+            self.set_timing(True)
+
+    def set_timing(self, on: bool) -> None:
+        """Time every op of every graph's later runs (and of graphs recorded later); turning it on resets the sums."""
+        self.timing = on
+        for graph in self._graphs.values():
+            graph.set_timing(on)
+
+    def timings(self) -> dict[Any, tuple[list[tuple[str, float]], int]]:
+        """Per graph key: ([(op label, total ms)], runs) since timing was turned on."""
+        return {key: graph.timings() for key, graph in self._graphs.items()}
 
     def clear(self) -> None:
         """Forget every graph (the KV caches or weights they read were replaced)."""
@@ -203,8 +233,10 @@ class StepGraphs:
             out = eager()
         try:
             constants = {_storage(t) for t in self._constants()}
-            self._graphs[key] = StepGraph(self._ext, rec.calls, inputs, [out], constants)
+            self._graphs[key] = graph = StepGraph(self._ext, rec.calls, inputs, [out], constants)
             self.recorded += 1
+            if self.timing:
+                graph.set_timing(True)
         except NotReplayable as e:
             logger.info("step %s runs eagerly: %s", key, e)
             self._eager_only.add(key)

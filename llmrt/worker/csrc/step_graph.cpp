@@ -10,6 +10,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -71,12 +72,26 @@ class StepGraph {
 
   int64_t size() const { return static_cast<int64_t>(prog_.size()); }
 
+  // Wall time per op summed over the runs since timing was turned on (ns per op, runs): where a replayed step's
+  // time goes, op by op, which no Python-side timer can see. Off by default (two clock reads an op when on).
+  void set_timing(bool on) {  // turning it on starts new sums; turning it off keeps them for timings()
+    if (on) {
+      ns_.assign(prog_.size(), 0);
+      runs_ = 0;
+    }
+    timing_ = on;
+  }
+  std::pair<std::vector<int64_t>, int64_t> timings() const { return {ns_, runs_}; }
+
  private:
   std::vector<at::Tensor> run_program(const std::vector<at::Tensor>& inputs, const std::vector<int64_t>& input_slots,
                                       const std::vector<int64_t>& output_slots) {
     for (size_t i = 0; i < inputs.size(); ++i) env_.at(input_slots[i]) = inputs[i];
     torch::jit::Stack stack;
-    for (const auto& in : prog_) {
+    using clock = std::chrono::steady_clock;
+    if (timing_ && ns_.size() != prog_.size()) ns_.assign(prog_.size(), 0);
+    for (size_t pc = 0; pc < prog_.size(); ++pc) {
+      const Instr& in = prog_[pc];
       stack.assign(in.args.begin(), in.args.end());
       for (const auto& r : in.refs) stack[r.first] = env_[r.second];
       if (!in.list_refs.empty()) {
@@ -94,7 +109,9 @@ class StepGraph {
           list.set(std::get<1>(r), env_[std::get<2>(r)].toTensor());
         }
       }
+      const auto t0 = timing_ ? clock::now() : clock::time_point{};
       in.op.callBoxed(&stack);
+      if (timing_) ns_[pc] += std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count();
       for (size_t k = 0; k < in.outs.size(); ++k) {
         const auto& o = in.outs[k];
         if (o.size() == 1 && !stack[k].isTensorList()) {
@@ -109,6 +126,7 @@ class StepGraph {
     std::vector<at::Tensor> result;
     for (auto s : output_slots) result.push_back(env_.at(s).toTensor());
     for (auto& v : env_) v = c10::IValue();  // release the step's activations
+    if (timing_) ++runs_;
     return result;
   }
 
@@ -116,6 +134,9 @@ class StepGraph {
 
   std::vector<Instr> prog_;
   std::vector<c10::IValue> env_;
+  bool timing_ = false;
+  std::vector<int64_t> ns_;
+  int64_t runs_ = 0;
 };
 
 }  // namespace
@@ -125,5 +146,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t>())
       .def("add", &StepGraph::add)
       .def("run", &StepGraph::run)
+      .def("set_timing", &StepGraph::set_timing)
+      .def("timings", &StepGraph::timings)
       .def("__len__", &StepGraph::size);
 }
