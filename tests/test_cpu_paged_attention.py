@@ -85,9 +85,12 @@ def test_a_sequences_result_does_not_depend_on_the_batch(kv_dtype):
     kernel = load_kernel().decode
     with _threads(2):
         whole = kernel(q, k_cache, v_cache, tables, lens, dim ** -0.5, 0)
-        alone = torch.cat([kernel(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], lens[i:i + 1], dim ** -0.5, 0)
-                           for i in range(n)])
-    assert torch.equal(whole, alone)
+    for threads in (1, 2, 3):  # per-head units below 4 sequences a thread, whole ones from there
+        with _threads(threads):
+            for size in (1, 2, 12):
+                part = torch.cat([kernel(q[i:i + size], k_cache, v_cache, tables[i:i + size], lens[i:i + size],
+                                         dim ** -0.5, 0) for i in range(0, n, size)])
+                assert torch.equal(whole, part), (threads, size)
 
 
 @contextlib.contextmanager
