@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from llmrt.kernels import amx_enabled, bf16_gemm_enabled, int4_bf16dot, int8_activations
+from llmrt.kernels import amx_enabled, bf16_gemm_enabled, hugepages, int4_bf16dot, int8_activations
 
 if TYPE_CHECKING:
     from llmrt.kernels import KernelLib
@@ -60,9 +60,11 @@ def batch_rows(kernel: str, fmt: str) -> tuple[int, float]:
 
 
 def _interleave(t: torch.Tensor, chunk: int) -> torch.Tensor:
-    """[Np, Kp] (Np % 4 == 0, Kp % chunk == 0) -> [Np/4, Kp*4] in block-chunk order."""
+    """[Np, Kp] (Np % 4 == 0, Kp % chunk == 0) -> [Np/4, Kp*4] in block-chunk order, in huge pages (hugepages.py)."""
     n, k = t.shape
-    return t.view(n // NB, NB, k // chunk, chunk).permute(0, 2, 1, 3).reshape(n // NB, NB * k).contiguous()
+    out = hugepages.empty((n // NB, NB * k), t.dtype)
+    out.view(n // NB, k // chunk, NB, chunk).copy_(t.view(n // NB, NB, k // chunk, chunk).permute(0, 2, 1, 3))
+    return out
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
@@ -87,7 +89,7 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple
     nibbles = _interleave(_pad_rows(pack_int4_chunks(q)), 16)
     sz = _pad_rows(torch.stack([scale, zero], dim=-1).bfloat16())  # [Np, G, 2]
     np_, g = sz.shape[:2]
-    return nibbles, sz.view(np_ // NB, NB, g, 2).permute(0, 2, 1, 3).contiguous()
+    return nibbles, hugepages.copy_of(sz.view(np_ // NB, NB, g, 2).permute(0, 2, 1, 3))
 
 
 def packed_bytes(fmt: str, n: int, k: int, group_size: int = 32) -> int:
