@@ -71,3 +71,9 @@ def test_kernels_give_the_same_results_from_either_memory(monkeypatch):
         results.append((dense.data.clone(), int4.data.clone(), int4.sz.clone(), dense(x), int4(x)))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_empty_shapes_and_alignment():
+    assert hugepages.empty((0, 7), torch.bfloat16).shape == (0, 7)
+    a, b = hugepages.empty((3,), torch.uint8), hugepages.empty((5,), torch.float32)
+    assert b.data_ptr() % hugepages.ALIGN == 0 and a.data_ptr() % hugepages.ALIGN == 0

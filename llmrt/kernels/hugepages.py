@@ -41,7 +41,7 @@ class _Carver:
         self._used = 0
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = max(1, int(torch.Size(shape).numel()) * dtype.itemsize)
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
         if nbytes > CHUNK // 2:  # a mapping of its own, unmapped with it (the current chunk stays current)
             return _map(-(-nbytes // HUGE) * HUGE)[:nbytes].view(dtype).view(tuple(shape))
         with self._lock:
@@ -69,7 +69,7 @@ _carver = _Carver()
 
 def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized CPU tensor for packed weights: in a huge-page mapping where enabled(), else torch's."""
-    if not enabled():
+    if not enabled() or torch.Size(shape).numel() == 0:
         return torch.empty(tuple(shape), dtype=dtype)
     return _carver.empty(shape, dtype)
 
