@@ -92,9 +92,9 @@ def _schema_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     return values
 
 
-def _label(name: str, args: tuple) -> str:
-    """An op's name with its tensor arguments' shapes, e.g. 'aten::mm(1x768, 768x2304)'."""
-    shapes = ["x".join(map(str, a.shape)) for a in args if isinstance(a, torch.Tensor)]
+def _label(name: str, values: Sequence[Any]) -> str:
+    """An op's name with its tensor arguments' shapes (schema order), e.g. 'aten::mm(1x768, 768x2304)'."""
+    shapes = ["x".join(map(str, a.shape)) for a in values if isinstance(a, torch.Tensor)]
     return f"{name}({', '.join(shapes)})"
 
 
@@ -128,11 +128,11 @@ class StepGraph:
         self.op_labels: list[str] = []  # per op: its name and its tensor arguments' shapes (`timings`)
         for func, args, kwargs, out in calls:
             schema = func._schema
-            self.op_labels.append(_label(schema.name, args))
             for r in schema.returns:  # a Python scalar could steer the recorded forward's control flow
                 if not (r.type.isSubtypeOf(torch._C.TensorType.get()) or _is_tensor_list(r.type)):
                     raise NotReplayable(f"{func} returns {r.type}, which the forward may have branched on")
             values = _schema_args(func, args, kwargs)
+            self.op_labels.append(_label(schema.name, values))
             refs: list[tuple[int, int]] = []
             list_refs: list[tuple[int, int, int]] = []
             for i, v in enumerate(values):
