@@ -77,3 +77,13 @@ def test_empty_shapes_and_alignment():
     assert hugepages.empty((0, 7), torch.bfloat16).shape == (0, 7)
     a, b = hugepages.empty((3,), torch.uint8), hugepages.empty((5,), torch.float32)
     assert b.data_ptr() % hugepages.ALIGN == 0 and a.data_ptr() % hugepages.ALIGN == 0
+
+
+def test_a_mapping_that_cannot_be_made_falls_back_to_torch(monkeypatch):
+    def refuse(size):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(hugepages, "_map", refuse)
+    monkeypatch.setattr(hugepages, "_carver", hugepages._Carver())  # no current chunk: the next request maps
+    t = hugepages.empty((10, 10), torch.float32)
+    assert t.shape == (10, 10) and t.untyped_storage().nbytes() == t.nbytes

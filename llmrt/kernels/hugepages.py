@@ -68,10 +68,14 @@ _carver = _Carver()
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor for packed weights: in a huge-page mapping where enabled(), else torch's."""
-    if not enabled() or torch.Size(shape).numel() == 0:
-        return torch.empty(tuple(shape), dtype=dtype)
-    return _carver.empty(shape, dtype)
+    """An uninitialized CPU tensor for packed weights: in a huge-page mapping where enabled(), else torch's (also
+    where the mapping cannot be made, e.g. under strict overcommit, which charges a chunk's whole size)."""
+    if enabled() and torch.Size(shape).numel() > 0:
+        try:
+            return _carver.empty(shape, dtype)
+        except OSError:
+            pass
+    return torch.empty(tuple(shape), dtype=dtype)
 
 
 def copy_of(t: torch.Tensor) -> torch.Tensor:
