@@ -79,6 +79,7 @@ def test_empty_shapes_and_alignment():
     assert b.data_ptr() % hugepages.ALIGN == 0 and a.data_ptr() % hugepages.ALIGN == 0
 
 
+@pytest.mark.skipif(not hugepages.enabled(), reason="huge-page mappings are off here: nothing to fall back from")
 def test_a_mapping_that_cannot_be_made_falls_back_to_torch(monkeypatch):
     def refuse(size):
         raise OSError(12, "Cannot allocate memory")

@@ -55,6 +55,7 @@ class StepGraph {
     for (const auto& o : in.outs)
       for (auto s : o) if (s >= 0) check_slot(s);
     prog_.push_back(std::move(in));
+    ns_.push_back(0);
   }
 
   // The step: `inputs` go to `input_slots`, every op runs, the values in `output_slots` come back.
@@ -89,7 +90,6 @@ class StepGraph {
     for (size_t i = 0; i < inputs.size(); ++i) env_.at(input_slots[i]) = inputs[i];
     torch::jit::Stack stack;
     using clock = std::chrono::steady_clock;
-    if (timing_ && ns_.size() != prog_.size()) ns_.assign(prog_.size(), 0);
     for (size_t pc = 0; pc < prog_.size(); ++pc) {
       const Instr& in = prog_[pc];
       stack.assign(in.args.begin(), in.args.end());
@@ -135,7 +135,7 @@ class StepGraph {
   std::vector<Instr> prog_;
   std::vector<c10::IValue> env_;
   bool timing_ = false;
-  std::vector<int64_t> ns_;
+  std::vector<int64_t> ns_;  // per op, one entry added with it
   int64_t runs_ = 0;
 };
 
