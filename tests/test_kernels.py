@@ -238,7 +238,8 @@ def test_int4_times_bf16_by_vdpbf16ps(isa, gs, monkeypatch):
     torch.manual_seed(5)
     lib = K.load(isa)
     assert lib.linear_int4_bf16dot is not None
-    for n, k in SHAPES + [(256, 1000)]:
+    # (20, 2048): blocks 4 KiB apart, where one row takes bd_tile<1> instead of the 4-block tile
+    for n, k in SHAPES + [(256, 1000), (20, 2048)]:
         kp = k + (-k % gs)
         q, sc, z = quantize_int4(F.pad(torch.randn(n, k), (0, kp - k)), gs)
         sz = torch.stack([sc, z], -1).bfloat16().double()
