@@ -257,13 +257,13 @@ def _cpu_support(fmt: str, flags: frozenset[str]) -> tuple[str, str]:
         return EMULATED, (f"no {fmt} arithmetic on this CPU: weights stay {fmt} (half the bytes) and matmuls of 3+ "
                           "rows run in float32 (emulated half matmuls are 3-5x slower than float32)")
     if fmt in ("int8", "int4"):
-        from llmrt.kernels import has_amx, has_bf16_dot, int16_activations, max_rows
+        from llmrt.kernels import build_for, has_amx, has_bf16_dot, int16_block, max_rows
         from llmrt.kernels.packed import AMX_ROWS, BF16_GEMM_MIN_ROWS
 
         ours = kernel_isa(flags)
         if ours:
-            notes = ["activations rounded to int16 per block of 32" if int16_activations(ours, fmt)
-                     else "weights widened to float32"]
+            block = int16_block(build_for(flags), fmt)
+            notes = [f"activations rounded to int16 per block of {block}" if block else "weights widened to float32"]
             if fmt == "int4" and has_bf16_dot(ours, flags):
                 notes.append("int4 with bf16 activations: vdpbf16ps")
             how = f" ({'; '.join(notes)})"

@@ -63,18 +63,24 @@ def _quantized_x(x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (q * d).reshape(x.shape[0], kp).double(), d.reshape(x.shape[0], kp).double()
 
 
-def _int16_rounding(x: torch.Tensor, p: PackedLinear) -> torch.Tensor:
-    """The most that rounding x to int16 per block of 32 inputs (d = max|x| / 32767, |x - xq| <= d / 2 an element,
-    csrc/int_i16.h) moves int8/int4 layer p's x @ w.T: the rounded activations multiply w (int8) or (q - 8) s =
-    w - z (int4)."""
+def _blocks(x: torch.Tensor, kp: int, block: int) -> torch.Tensor:
+    """x [rows, k] zero-padded to kp, then to whole blocks: [rows, blocks, block] (the last block's padding is
+    zeros, which the kernels' block maxima do not see either)."""
+    return F.pad(x, (0, kp - x.shape[1] + (-kp % block))).view(x.shape[0], -1, block)
+
+
+def _int16_rounding(x: torch.Tensor, p: PackedLinear, block: int) -> torch.Tensor:
+    """The most that rounding x to int16 per block of `block` inputs (d = max|x| / 32767, |x - xq| <= d / 2 an
+    element, csrc/int_i16.h, int8_i16dot.h) moves int8/int4 layer p's x @ w.T: the rounded activations multiply w
+    (int8) or (q - 8) s = w - z (int4)."""
     kp = p.padded_in
     w = p.unpack_into(torch.empty(p.n, kp)).double()
     if p.fmt == "int4":
         z = p.sz.view(-1, kp // p.group_size, 4, 2)[..., 1].permute(0, 2, 1).reshape(-1, kp // p.group_size)[:p.n]
         w = w - z.double().repeat_interleave(p.group_size, -1)
-    xb = F.pad(x.double(), (0, kp - x.shape[1])).view(x.shape[0], -1, 32)
-    d = (xb.abs().amax(-1, keepdim=True) / 32767).expand_as(xb).reshape(x.shape[0], kp)
-    return (d / 2 + 1e-7 * xb.abs().reshape(x.shape[0], kp)) @ w.abs().T
+    xb = _blocks(x.double(), kp, block)
+    d = (xb.abs().amax(-1, keepdim=True) / 32767).expand_as(xb).reshape(x.shape[0], -1)[:, :kp]
+    return (d / 2 + 1e-7 * xb.abs().reshape(x.shape[0], -1)[:, :kp]) @ w.abs().T
 
 
 def _without_bias(p: PackedLinear) -> PackedLinear:
@@ -100,8 +106,8 @@ def test_kernel_matches_reference(isa, fmt):
                 y = packed(x) if with_bias else _without_bias(packed)(x)
                 assert y.dtype == xdt and y.shape == (rows, n)
                 tol = 1e-5 * scale + 1e-6 + (ref.abs() * 2 ** -8 if xdt == torch.bfloat16 else 0)
-                if fmt in ("int8", "int4") and K.int16_activations(isa, fmt):
-                    tol = tol + _int16_rounding(x, packed)
+                if fmt in ("int8", "int4") and K.int16_block(isa, fmt):
+                    tol = tol + _int16_rounding(x, packed, K.int16_block(isa, fmt))
                 assert ((y.double() - ref).abs() <= tol).all(), (isa, fmt, n, k, rows, xdt)
 
 
@@ -150,21 +156,23 @@ def test_int8_activation_kernels_match_reference(isa, fmt):
                 assert ((y.double() - (xf @ wd.T + bias.double())).abs() <= bound).all(), (isa, fmt, n, k, rows)
 
 
-def _int16_rounded(x: torch.Tensor, kp: int) -> torch.Tensor:
-    """x zero-padded to kp and rounded to int16 per block of 32 as csrc/int_i16.h does (fp32 arithmetic), float64."""
-    xb = F.pad(x.float(), (0, kp - x.shape[1])).view(x.shape[0], -1, 32)
+def _int16_rounded(x: torch.Tensor, kp: int, block: int) -> torch.Tensor:
+    """x zero-padded to kp and rounded to int16 per block of `block` inputs as csrc/int_i16.h and int8_i16dot.h do
+    (fp32 arithmetic), float64."""
+    xb = _blocks(x.float(), kp, block)
     amax = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, torch.zeros_like(amax))
-    return (torch.round(xb * inv) * (amax / 32767)).view(x.shape[0], kp).double()
+    return (torch.round(xb * inv) * (amax / 32767)).view(x.shape[0], -1)[:, :kp].double()
 
 
 @pytest.mark.parametrize("isa,fmt,gs", [(isa, fmt, gs) for isa in ISAS
                                          for fmt, gs in [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)]
-                                         if K.int16_activations(isa, fmt)])  # AVX-512's int8 widens to fp32
+                                         if K.int16_block(isa, fmt)])  # int8 without VNNI widens to fp32
 def test_int_kernels_with_int16_activations(isa, fmt, gs):
-    """csrc/int_i16.h: within fp32 rounding of the float64 product of the int16-rounded activations (per block of 32,
-    as the kernel rounds them) with the weights (int4: with (q - 8) s, plus the exact activations times the zero
-    points); the integer sums are exact, so only the float steps after them may differ."""
+    """csrc/int_i16.h and int8_i16dot.h: within fp32 rounding of the float64 product of the int16-rounded
+    activations (per block of 32 or 256, as the kernel rounds them) with the weights (int4: with (q - 8) s, plus the
+    exact activations times the zero points); the integer sums are exact, so only the float steps after them may
+    differ."""
     torch.manual_seed(5)
     lib = K.load(isa)
     for n, k in [(37, 100), (64, 320), (5, 7), (130, 64)]:
@@ -186,7 +194,7 @@ def test_int_kernels_with_int16_activations(isa, fmt, gs):
             for xdt in (torch.float32, torch.bfloat16):
                 x = torch.randn(rows, k).to(xdt)
                 xf = F.pad(x.double(), (0, kp - k))
-                ref = _int16_rounded(x, kp) @ centred.T + xf @ zz.T + bias.double()
+                ref = _int16_rounded(x, kp, K.int16_block(isa, fmt)) @ centred.T + xf @ zz.T + bias.double()
                 y = p(x)
                 tol = 1e-5 * (xf.abs() @ (centred.abs() + zz.abs()).T) + 1e-6 + \
                     (ref.abs() * 2 ** -8 if xdt == torch.bfloat16 else 0)
@@ -418,7 +426,8 @@ def test_prefill_sized_steps_take_torchs_gemm_with_the_same_weights(embedded_mod
     with torch.inference_mode():
         big = layer(x)
         small = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
-    slack = _int16_rounding(x, layer.packed) if K.int16_activations(layer.kernels.isa, layer.packed.fmt) else 0
+    block = K.int16_block(layer.kernels.isa, layer.packed.fmt)
+    slack = _int16_rounding(x, layer.packed, block) if block else 0
     assert ((big - small).abs() <= 1e-4 + 1e-4 * small.abs() + slack).all()
 
 

@@ -106,11 +106,13 @@ def build_dir(isa: str) -> Path:
     return build.build_dir("kernels", f"llmrt_kernels_{isa}", sorted(CSRC.iterdir()), _cflags(isa))
 
 
-def int16_activations(isa: str, fmt: str) -> bool:
-    """Whether `isa`'s vector kernel for `fmt` (linear_int8, linear_int4) rounds activations to int16 per block of
-    32 inputs (csrc/int_i16.h: int4 in every build, int8 in AVX2's) rather than widening the weights to fp32 (int8
-    in the AVX-512 builds)."""
-    return fmt == "int4" or isa == "avx2"
+def int16_block(isa: str, fmt: str) -> int:
+    """The inputs per scale with which `isa`'s vector kernel for `fmt` (linear_int8, linear_int4) rounds activations
+    to int16: 32 (csrc/int_i16.h: int4 in every build, int8 in AVX2's), 256 (int8 in the VNNI build,
+    csrc/int8_i16dot.h), or 0 where it widens the weights to fp32 instead (int8 in the AVX-512 build without VNNI)."""
+    if fmt == "int4" or isa == "avx2":
+        return 32
+    return 256 if isa == "avx512vnni" else 0
 
 
 def has_bf16_dot(isa: str, flags: frozenset[str]) -> bool:
@@ -192,7 +194,7 @@ def _switch(var: str, default: str) -> bool:
 def int8_activations() -> bool:
     """Whether int8/int4 layers quantize their activations to int8 (per block of 32, as llama.cpp's Q8_0) and
     use integer dot products: LLMRT_INT8_ACTIVATIONS=1, or 0 (the default: activations rounded to int16 per block,
-    or fp32 against weights widened in registers, `int16_activations`; the int8 scheme misses some of the
+    or fp32 against weights widened in registers, `int16_block`; the int8 scheme misses some of the
     random-model agreement bounds, docs/quantization.md)."""
     return _switch("LLMRT_INT8_ACTIVATIONS", "0")
 

@@ -348,6 +348,7 @@ Int4 int4_layout(const at::Tensor& wp, const at::Tensor& sz, int64_t gs) {
 #include "qlinear.h"  // int8/int4 weights times int8-quantized activations (integer dot products)
 #include "int_i16.h"  // int8/int4 weights times int16-quantized activations (AVX2 builds)
 #include "int4_bf16dot.h"  // int4 weights times bf16 activations by vdpbf16ps (AVX-512 builds, AVX512-BF16 CPUs)
+#include "int8_i16dot.h"  // int8 weights times int16 activations by vpdpwssd (the VNNI build)
 #include "amx.h"  // int8/int4 weights times bf16 activations on AMX tiles (AVX-512 builds, AMX-BF16 CPUs)
 #include "bf16_gemm.h"  // the same by vdpbf16ps for several rows (AVX-512 builds, AVX512-BF16 CPUs)
 
@@ -364,7 +365,12 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& wp, const at::Tens
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() >= n,
               "llmrt kernels: scale must be float32 [out]");
-#if defined(LLMRT_AVX512)
+#if defined(LLMRT_AVX512) && defined(LLMRT_VNNI)
+  TORCH_CHECK(wp.scalar_type() == at::kChar, "llmrt kernels: packed weights must be int8");
+  Call c = prepare_call(x, wp, 1, 32, n, bias, "int8");
+  c.sink.scale = scale.data_ptr<float>();
+  return linear_int8_i16dot(c, wp.data_ptr<int8_t>(), x.size(0));
+#elif defined(LLMRT_AVX512)
   return linear_dense<int8_t>(x, wp, n, bias, at::kChar, scale.data_ptr<float>(), "int8");
 #else
   TORCH_CHECK(wp.scalar_type() == at::kChar, "llmrt kernels: packed weights must be int8");
