@@ -53,15 +53,15 @@ I16Blocks round_blocks_i16(const float* x, int64_t ldx, int64_t M, int64_t Kp) {
         bad |= _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ);  // a >= inf, or unordered
         m = _mm512_max_ps(m, a);
       }
-      const float amax = _mm512_reduce_max_ps(m);
+      const float amax = _mm512_reduce_max_ps(m), scale = 32767.0f / amax;
       float& d = r.d[i * r.nb + g];
-      if (bad || amax == 0.0f) {
+      if (bad || !std::isfinite(scale)) {  // scale: inf for an all-zero block, or one below ~1e-34 (counted as 0)
         d = bad ? NAN : 0.0f;
         std::fill(q + k0, q + k1, int16_t(0));
         continue;
       }
       d = amax / 32767.0f;
-      const __m512 inv = _mm512_set1_ps(32767.0f / amax);
+      const __m512 inv = _mm512_set1_ps(scale);
       for (int64_t k = k0; k < k1; k += 16) {
         const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xi + k), inv));  // nearest, ties even
         _mm256_storeu_si256((__m256i*)(q + k), _mm512_cvtsepi32_epi16(v));
