@@ -145,6 +145,21 @@ def test_each_method_tracks_the_unquantized_model(arch, checkpoints):
     assert both.top1_agreement >= 0.80 and both.rel_logit_error <= 0.20, (arch, both)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_token_steps_keep_the_bounds(arch, checkpoints):
+    """Decode-sized steps take other kernels than 16-token ones (int8 on AVX-512 VNNI CPUs rounds activations to
+    int16 per 256 inputs, the batched steps widen or use bf16 panels): scored one token a step (`bench quality
+    --chunk 1`), the unquantized logits match the chunked ones and int8/int4 stay within BOUNDS."""
+    tokens = _tokens(40, seed=3)
+    cfg = ModelConfig(str(checkpoints[arch]), dtype="float32")
+    ref, _ = teacher_forced_logits(cfg, tokens)
+    one, _ = teacher_forced_logits(cfg, tokens, chunk=1)
+    assert torch.allclose(one, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max())), arch
+    for method, (agree, rel) in BOUNDS.items():
+        r = quality_of(str(checkpoints[arch]), tokens, method, ref=ref, chunk=1)
+        assert r.top1_agreement >= agree and r.rel_logit_error <= rel, (arch, method, r)
+
+
 def test_quality_on_the_embedded_model(embedded_model_dir):
     """Trained weights on natural text (`llmrt bench quality`'s default story): int8 is nearly lossless."""
     from llmrt.bench.quality import DEFAULT_TEXT, perplexity

@@ -134,6 +134,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda or cuda:N")
     p.add_argument("--text", default=None, help="a text file to score (default: a built-in short story)")
     p.add_argument("--max-tokens", type=int, default=512, help="score at most this many tokens")
+    p.add_argument("--chunk", type=int, default=16,
+                   help="tokens per forward step (default: %(default)s); 1 scores every position in a one-token "
+                        "step, as decode runs, so the decode-sized kernels (which may round activations "
+                        "differently from the batched ones) are the ones measured")
     p.add_argument("--output", default=None, help="write the reports as JSON here")
 
 
@@ -147,12 +151,14 @@ def run(args: argparse.Namespace) -> int:
     text = Path(args.text).read_text() if args.text else DEFAULT_TEXT
     tokens = load_tokenizer(base.model).encode(text)[: min(args.max_tokens, int(base.max_model_len))]
     t = time.perf_counter()
-    ref, ref_bytes = teacher_forced_logits(base, tokens, device=args.device)
+    if args.chunk < 1:
+        raise SystemExit("--chunk must be at least 1")
+    ref, ref_bytes = teacher_forced_logits(base, tokens, chunk=args.chunk, device=args.device)
     reports = [compare("unquantized", ref, ref, tokens, ref_bytes, time.perf_counter() - t)]
     if args.reference is not None:
         cfg = ModelConfig(args.model, dtype=args.dtype)
         t = time.perf_counter()
-        logits, nbytes = teacher_forced_logits(cfg, tokens, args.kv_cache_dtype, device=args.device)
+        logits, nbytes = teacher_forced_logits(cfg, tokens, args.kv_cache_dtype, chunk=args.chunk, device=args.device)
         reports.append(compare(checkpoint_label(cfg), logits, ref, tokens, nbytes, time.perf_counter() - t))
     default = [] if args.reference is not None else ["int8", "int4"]
     for q in args.quantization or default:
@@ -160,11 +166,11 @@ def run(args: argparse.Namespace) -> int:
         cfg = ModelConfig(source, dtype=args.dtype, quantization=q, quant_group_size=args.quant_group_size,
                           quant_calibration=calibration, quant_calibration_samples=args.quant_calibration_samples)
         t = time.perf_counter()  # with --quant-calibration: includes calibrating on a first load
-        logits, nbytes = teacher_forced_logits(cfg, tokens, args.kv_cache_dtype, device=args.device)
+        logits, nbytes = teacher_forced_logits(cfg, tokens, args.kv_cache_dtype, chunk=args.chunk, device=args.device)
         label = cfg.quantization_label + (f" kv {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
         reports.append(compare(label, logits, ref, tokens, nbytes, time.perf_counter() - t))
     base_ppl = reports[0].perplexity
-    print(f"{base.model}: {len(tokens)} tokens")
+    print(f"{base.model}: {len(tokens)} tokens, {args.chunk} a step")
     width = max(22, *(len(r.label) for r in reports))
     print(f"{'config':<{width}} {'perplexity':>10} {'ppl +%':>7} {'95% interval':>16} {'top-1 agree':>11} "
           f"{'mean KL':>8} {'max |dlogit|':>12} {'weights MiB':>11}")
@@ -193,16 +199,17 @@ def checkpoint_label(cfg: ModelConfig) -> str:
 
 def quality_of(model_dir: str, tokens: list[int], quantization: Optional[str], kv_cache_dtype: str = "auto",
                group_size: int = 32, ref: Optional[torch.Tensor] = None, as_stored: bool = False,
-               device: torch.device | str = "cpu", dtype: str = "float32", **model_options: Any) -> QualityReport:
+               device: torch.device | str = "cpu", dtype: str = "float32", chunk: int = 16,
+               **model_options: Any) -> QualityReport:
     """One configuration against the unquantized float32 model (or `ref`), for tests and scripts; `as_stored`:
-    the checkpoint in its own format (a GPTQ checkpoint as int4), `ref` then required; `model_options`: more
-    ModelConfig fields (quant_calibration=...)."""
+    the checkpoint in its own format (a GPTQ checkpoint as int4), `ref` then required; `chunk`: tokens a step (1:
+    decode-sized steps); `model_options`: more ModelConfig fields (quant_calibration=...)."""
     if ref is None:
         ref, _ = teacher_forced_logits(ModelConfig(model_dir, dtype="float32", quantization="none"), tokens,
                                        device=device)
     cfg = ModelConfig(model_dir, dtype=dtype, quantization=None if as_stored else quantization or "none",
                       quant_group_size=group_size, **model_options)
     t = time.perf_counter()
-    logits, nbytes = teacher_forced_logits(cfg, tokens, kv_cache_dtype, device=device)
+    logits, nbytes = teacher_forced_logits(cfg, tokens, kv_cache_dtype, chunk=chunk, device=device)
     return compare(checkpoint_label(cfg) if as_stored else str(quantization), logits, ref, tokens, nbytes,
                    time.perf_counter() - t)
