@@ -36,11 +36,13 @@ KC = {torch.float32: 16, torch.bfloat16: 32, torch.int8: 32}
 AMX_ROWS = (8, 128)
 # Rows from which a bf16 step of an int8/int4 layer runs by vdpbf16ps from bf16 panels (csrc/bf16_gemm.h) on
 # AVX512-BF16 CPUs without AMX. Measured with benchmarks/batch_rows.py (the 124.7M model's 48 decoder linears, 2
-# threads, AMD EPYC with AVX512-BF16, 2026-12-06; benchmarks/batch-rows-bf16gemm.md): from 5 rows int8 is faster
-# than its vector kernel, from 9 int4 (at 8 they tie). There is no upper limit: against dequantize + oneDNN's GEMM
-# it is faster up to 512 rows and level at 1024-2048 (within 0.6%) where that path runs at its best, and
-# 1.1-1.2x faster where it does not (it is bimodal per process on this host).
-BF16_GEMM_MIN_ROWS = {"int8": 5, "int4": 9}
+# threads, AMD EPYC with AVX512-BF16, 2026-12-06; benchmarks/batch-rows-bf16gemm.md): from 5 rows int8 was faster
+# than its float vector kernel, from 9 int4 (at 8 they tie). Since int8's vector kernel is the int16 one on these
+# (VNNI) CPUs (csrc/int8_i16dot.h, 2026-12-07, the same 48 linears): it takes 0.60-0.80x the panels' time at 5-8
+# rows, 0.98x at 9-10, 1.08x at 11, 1.16x at 12, so int8 panels start at 11. There is no upper limit: against
+# dequantize + oneDNN's GEMM it is faster up to 512 rows and level at 1024-2048 (within 0.6%) where that path runs
+# at its best, and 1.1-1.2x faster where it does not (it is bimodal per process on this host).
+BF16_GEMM_MIN_ROWS = {"int8": 11, "int4": 9}
 BATCH_KERNELS = ("amx", "bf16gemm")  # in order of preference; csrc/amx.h, csrc/bf16_gemm.h
 
 
