@@ -145,14 +145,15 @@ def run(args: argparse.Namespace) -> int:
     """Score the unquantized model and each quantized configuration on the same tokens."""
     from llmrt.tokenizer import load_tokenizer
 
+    if args.chunk < 1:
+        raise SystemExit(f"--chunk must be at least 1, got {args.chunk}")
+
     source = args.reference if args.reference is not None else args.model
     # A GGUF dequantized, not its default.
     base = ModelConfig(source, dtype=args.dtype, quantization="none")
     text = Path(args.text).read_text() if args.text else DEFAULT_TEXT
     tokens = load_tokenizer(base.model).encode(text)[: min(args.max_tokens, int(base.max_model_len))]
     t = time.perf_counter()
-    if args.chunk < 1:
-        raise SystemExit("--chunk must be at least 1")
     ref, ref_bytes = teacher_forced_logits(base, tokens, chunk=args.chunk, device=args.device)
     reports = [compare("unquantized", ref, ref, tokens, ref_bytes, time.perf_counter() - t)]
     if args.reference is not None:
