@@ -23,7 +23,6 @@
 
 namespace {
 
-constexpr int BD_MB = 4;  // activation rows per tile: 4 group accumulators + 4 totals
 
 // A chunk's 64 bytes (4 rows x 16) read as 32 uint16 lanes hold four nibbles each: lane j of row r (lanes
 // 8r..8r+7, j' = j - 8r) has q[2j'] in bits 0-3, q[2j'+16] in 4-7, q[2j'+1] in 8-11 and q[2j'+17] in 12-15. So
@@ -96,6 +95,33 @@ inline void offsets(const Int4& l, int64_t b, const PlaneRows& d, int64_t m0, __
   }
 }
 
+// A chunk's 64 bytes as the four planes' bf16 weights of its 4 rows: (v & 0xF) | 0x4300 per plane, one vpternlog
+// (imm 0xEA = (A & B) | C) after the plane's shift.
+inline void nibble_planes(const uint8_t* p, __m512bh q[4]) {
+  const __m512i magic = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000F);
+  const __m512i w = _mm512_loadu_si512(p);
+  q[0] = (__m512bh)_mm512_ternarylogic_epi32(w, low, magic, 0xEA);
+  q[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, magic, 0xEA);
+  q[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low, magic, 0xEA);
+  q[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 12), magic);
+}
+
+// The four planes' activations of chunk c of a row (PlaneRows' order), each broadcast to the 4 weight rows.
+inline void plane_x(const uint16_t* xrow, int64_t c, __m512bh x[4]) {
+  for (int pl = 0; pl < 4; ++pl)
+    x[pl] = (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xrow + c * 32 + pl * 8)));
+}
+
+// A group's scales of the 4 rows, lanes 4r..4r+3 holding row r's, from its (s, z) pairs s0 z0 .. s3 z3 (bf16):
+// broadcast to the 4 128-bit lanes, lane r picks s_r into the high half of each of its 4 fp32 lanes by an in-lane
+// byte shuffle (-1: a zero byte). Cross-lane widening and permutes cost more than the group's products on Zen 4.
+inline __m512 group_s(const uint16_t* g) {
+  const __m512i pick_s = _mm512_set_epi8(
+      13, 12, -1, -1, 13, 12, -1, -1, 13, 12, -1, -1, 13, 12, -1, -1, 9, 8, -1, -1, 9, 8, -1, -1, 9, 8, -1, -1, 9, 8, -1, -1,
+      5, 4, -1, -1, 5, 4, -1, -1, 5, 4, -1, -1, 5, 4, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1);
+  return _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)g)), pick_s));
+}
+
 // Block b of the int4 matrix times rows m0..m0+mb of d: out[i][j] = sum_k x[i, k] w[4b + j, k]. Each row gets
 // the same operations in the same order whatever mb is (no per-tile restructuring: a row's result must not
 // depend on the batch).
@@ -104,13 +130,6 @@ inline void bd_tile(const Int4& l, int64_t b, const PlaneRows& d, int64_t m0, fl
   const uint8_t* p = l.w + b * l.Kp * NB / 2;
   const uint16_t* g = l.sz + b * (l.Kp / l.gs) * NB * 2;
   const int64_t per_group = l.gs / 32;
-  const __m512i magic = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000F);
-  // sz: s0 z0 s1 z1 s2 z2 s3 z3 (bf16, rows 0..3), broadcast to the 4 128-bit lanes; lane r picks row r's s (or
-  // z) into the high half of each of its 4 fp32 lanes by an in-lane byte shuffle (-1: a zero byte). Cross-lane
-  // widening and permutes cost more than the group's products on Zen 4.
-  const __m512i pick_s = _mm512_set_epi8(
-      13, 12, -1, -1, 13, 12, -1, -1, 13, 12, -1, -1, 13, 12, -1, -1, 9, 8, -1, -1, 9, 8, -1, -1, 9, 8, -1, -1, 9, 8, -1, -1,
-      5, 4, -1, -1, 5, 4, -1, -1, 5, 4, -1, -1, 5, 4, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1);
   const uint16_t* xr[mb];
   for (int i = 0; i < mb; ++i) xr[i] = d.x.data() + (m0 + i) * d.chunks * 32;
   __m512 tot[mb];
@@ -119,104 +138,73 @@ inline void bd_tile(const Int4& l, int64_t b, const PlaneRows& d, int64_t m0, fl
     __m512 acc[mb];
     for (int i = 0; i < mb; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t c = gi * per_group; c < (gi + 1) * per_group; ++c, p += NB * 16) {
-      const __m512i w = _mm512_loadu_si512(p);
-      // (v & 0xF) | 0x4300 in one vpternlog: imm 0xEA = (A & B) | C
-      const __m512bh q0 = (__m512bh)_mm512_ternarylogic_epi32(w, low, magic, 0xEA);
-      const __m512bh q1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, magic, 0xEA);
-      const __m512bh q2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low, magic, 0xEA);
-      const __m512bh q3 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 12), magic);
+      __m512bh q[4];
+      nibble_planes(p, q);
       for (int i = 0; i < mb; ++i) {
-        const uint16_t* xc = xr[i] + c * 32;
-        acc[i] = _mm512_dpbf16_ps(acc[i], q0, (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xc)));
-        acc[i] = _mm512_dpbf16_ps(acc[i], q1, (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xc + 8))));
-        acc[i] = _mm512_dpbf16_ps(acc[i], q2, (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xc + 16))));
-        acc[i] = _mm512_dpbf16_ps(acc[i], q3, (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xc + 24))));
+        __m512bh x[4];
+        plane_x(xr[i], c, x);
+        for (int pl = 0; pl < 4; ++pl) acc[i] = _mm512_dpbf16_ps(acc[i], q[pl], x[pl]);
       }
     }
-    // The group's (scale, zero) of the 4 rows, lanes 4r..4r+3 holding row r's (with a 32-weight group this runs
-    // per chunk).
-    const __m512i sz = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)g));
-    const __m512 s = _mm512_castsi512_ps(_mm512_shuffle_epi8(sz, pick_s));
+    const __m512 s = group_s(g);  // with a 32-weight group this runs per chunk
     for (int i = 0; i < mb; ++i) tot[i] = _mm512_fmadd_ps(acc[i], s, tot[i]);
   }
   for (int i = 0; i < mb; ++i)
     for (int j = 0; j < NB; ++j) out[i][j] = _mm512_mask_reduce_add_ps(__mmask16(0xF << (4 * j)), tot[i]);
 }
 
-// One activation row times nb consecutive blocks (4 nb weight rows): a decode step's GEMV. Per block the
-// operations of bd_tile<1> in its order (a row's result must not depend on the batch), interleaved over the blocks,
-// so that a chunk's 4 activation broadcasts serve nb blocks and nb groups' dependent chains overlap: at one row
-// bd_tile<1> ran ~15 cycles a 64-byte chunk for ~6 of vector work. Cache-hot, 0.83-0.88x bd_tile<1>'s time on the
-// 124.7M model's shapes. The nb blocks are nb streams 2 Kp bytes apart, which the hardware prefetcher followed
-// poorly from memory (1.4x slower than bd_tile<1> streamed); a software prefetch of the next tile's blocks in
-// address order, a line per block and chunk, makes it 0.89x streamed (row1_blocks starts the first tile's).
-template <int nb>
-inline void bd_row1(const Int4& l, int64_t b, const PlaneRows& d, float (*out)[NB]) {
+// One activation row times 4 consecutive blocks (16 weight rows): a decode step's GEMV. Per block the operations
+// of bd_tile<1> in its order (a row's result must not depend on the batch), interleaved over the blocks, so that
+// a chunk's 4 activation broadcasts serve 4 blocks and 4 groups' dependent chains overlap: at one row bd_tile<1>
+// took ~4.2 ns a 64-byte chunk on each core cache-hot (~11 cycles at the 2.6 GHz the VM reports) for ~16 vector
+// ops, most of them 512-bit (two a cycle at best on Zen 4). Cache-hot, 0.83-0.88x bd_tile<1>'s time on the 124.7M
+// model's shapes. The 4 blocks are 4 streams 2 Kp bytes apart, which the hardware prefetcher followed poorly from
+// memory (1.4x slower than bd_tile<1> streamed); a software prefetch of the next tile's blocks in address order, a
+// line per block and chunk, makes it 0.89x streamed (row1_blocks starts the first tile's).
+inline void bd_row4(const Int4& l, int64_t b, const PlaneRows& d, float (*out)[NB]) {
+  constexpr int nb = 4;
   const int64_t bstride = l.Kp * NB / 2, gstride = (l.Kp / l.gs) * NB * 2;
   const uint8_t* p = l.w + b * bstride;
   // The next tile's blocks, prefetched in address order (past the last block: a prefetch does not fault).
-  const uintptr_t next = reinterpret_cast<uintptr_t>(l.w + b * bstride) + nb * bstride;
+  const uintptr_t next = reinterpret_cast<uintptr_t>(p) + nb * bstride;
   const uint16_t* g = l.sz + b * gstride;
   const int64_t per_group = l.gs / 32;
-  const __m512i magic = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000F);
-  const __m512i pick_s = _mm512_set_epi8(
-      13, 12, -1, -1, 13, 12, -1, -1, 13, 12, -1, -1, 13, 12, -1, -1, 9, 8, -1, -1, 9, 8, -1, -1, 9, 8, -1, -1, 9, 8, -1, -1,
-      5, 4, -1, -1, 5, 4, -1, -1, 5, 4, -1, -1, 5, 4, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1);
-  const uint16_t* xr = d.x.data();
   __m512 tot[nb];
   for (int k = 0; k < nb; ++k) offsets<1>(l, b + k, d, 0, &tot[k]);
   for (int64_t gi = 0; gi < d.groups; ++gi, g += 2 * NB) {
     __m512 acc[nb];
     for (int k = 0; k < nb; ++k) acc[k] = _mm512_setzero_ps();
     for (int64_t c = gi * per_group; c < (gi + 1) * per_group; ++c, p += NB * 16) {
-      const uint16_t* xc = xr + c * 32;
-      const __m512bh x0 = (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xc));
-      const __m512bh x1 = (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xc + 8)));
-      const __m512bh x2 = (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xc + 16)));
-      const __m512bh x3 = (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xc + 24)));
+      __m512bh x[4];
+      plane_x(d.x.data(), c, x);
       for (int k = 0; k < nb; ++k) {
         _mm_prefetch(reinterpret_cast<const char*>(next + (c * nb + k) * 64), _MM_HINT_T0);
-        const __m512i w = _mm512_loadu_si512(p + k * bstride);
-        const __m512bh q0 = (__m512bh)_mm512_ternarylogic_epi32(w, low, magic, 0xEA);
-        const __m512bh q1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, magic, 0xEA);
-        const __m512bh q2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low, magic, 0xEA);
-        const __m512bh q3 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 12), magic);
-        acc[k] = _mm512_dpbf16_ps(acc[k], q0, x0);
-        acc[k] = _mm512_dpbf16_ps(acc[k], q1, x1);
-        acc[k] = _mm512_dpbf16_ps(acc[k], q2, x2);
-        acc[k] = _mm512_dpbf16_ps(acc[k], q3, x3);
+        __m512bh q[4];
+        nibble_planes(p + k * bstride, q);
+        for (int pl = 0; pl < 4; ++pl) acc[k] = _mm512_dpbf16_ps(acc[k], q[pl], x[pl]);
       }
     }
-    for (int k = 0; k < nb; ++k) {
-      const __m512i sz = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(g + k * gstride)));
-      tot[k] = _mm512_fmadd_ps(acc[k], _mm512_castsi512_ps(_mm512_shuffle_epi8(sz, pick_s)), tot[k]);
-    }
+    for (int k = 0; k < nb; ++k) tot[k] = _mm512_fmadd_ps(acc[k], group_s(g + k * gstride), tot[k]);
   }
-  if constexpr (nb == 4) {
-    // The 16 four-lane sums at once, added in _mm512_mask_reduce_add_ps's order ((l0 + l2) + (l1 + l3)): per
-    // 128-bit lane j, [a0+a2, b0+b2, a1+a3, b1+b3] for blocks a, b, then for c, d, then lane 4j + k = block k's
-    // row j.
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(tot[0], tot[1]), _mm512_unpackhi_ps(tot[0], tot[1]));
-    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(tot[2], tot[3]), _mm512_unpackhi_ps(tot[2], tot[3]));
-    const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
-    const __m512 r = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
-    alignas(64) float v[16];
-    _mm512_store_ps(v, r);
-    for (int k = 0; k < nb; ++k)
-      for (int j = 0; j < NB; ++j) out[k][j] = v[4 * j + k];
-  } else {
-    for (int k = 0; k < nb; ++k)
-      for (int j = 0; j < NB; ++j) out[k][j] = _mm512_mask_reduce_add_ps(__mmask16(0xF << (4 * j)), tot[k]);
-  }
+  // The 16 four-lane sums at once, added in _mm512_mask_reduce_add_ps's order ((l0 + l2) + (l1 + l3)): per 128-bit
+  // lane j, [a0+a2, b0+b2, a1+a3, b1+b3] for blocks a, b, then for c, d, then lane 4j + k = block k's row j.
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(tot[0], tot[1]), _mm512_unpackhi_ps(tot[0], tot[1]));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(tot[2], tot[3]), _mm512_unpackhi_ps(tot[2], tot[3]));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 r = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+  alignas(64) float v[16];
+  _mm512_store_ps(v, r);
+  for (int k = 0; k < nb; ++k)
+    for (int j = 0; j < NB; ++j) out[k][j] = v[4 * j + k];
 }
 
 // Whether one row takes the 4-block tiles: not where the blocks lie a multiple of 4 KiB apart, where the 4 streams
 // and their prefetches share one 8-way L1 set (down_proj at K = 2048 took 1.08x bd_tile<1>'s time).
 inline bool row_tiles(const Int4& l) { return (l.Kp * NB / 2) % 4096 != 0; }
 
-// One row times blocks b0..b1: 4-block tiles, the rest one by one. The first tile's lines are prefetched at once
-// (each tile prefetches the next; the first one's 4 streams would start cold).
+// One row times blocks b0..b1: 4-block tiles, the rest by bd_tile<1>. The first tile's lines are prefetched at
+// once (each tile prefetches the next; the first one's 4 streams would start cold).
 inline void row1_blocks(const Int4& l, const PlaneRows& d, int64_t b0, int64_t b1, const Sink& sink) {
   const int64_t bstride = l.Kp * NB / 2;
   const char* first = reinterpret_cast<const char*>(l.w + b0 * bstride);
@@ -224,11 +212,11 @@ inline void row1_blocks(const Int4& l, const PlaneRows& d, int64_t b0, int64_t b
   float out[4][NB];  // a row per block
   int64_t b = b0;
   for (; b + 4 <= b1; b += 4) {
-    bd_row1<4>(l, b, d, out);
+    bd_row4(l, b, d, out);
     for (int k = 0; k < 4; ++k) sink.put(0, 1, b + k, out + k);
   }
   for (; b < b1; ++b) {
-    bd_row1<1>(l, b, d, out);
+    bd_tile<1>(l, b, d, 0, out);
     sink.put(0, 1, b, out);
   }
 }
@@ -244,25 +232,15 @@ at::Tensor linear_int4_bf16dot(const at::Tensor& x, const at::Tensor& wp, const 
   at::Tensor y = at::empty({M, n}, x.options());
   const Sink sink = sink_for(y, bias);
   const PlaneRows d = plane_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, l.Kp, group_size);
-  at::parallel_for(0, blocks, block_grain(NB * (l.Kp / 2 + l.Kp / group_size * 4)), [&](int64_t b0, int64_t b1) {
-    float out[BD_MB][NB];
-    if (M == 1 && row_tiles(l)) {
-      row1_blocks(l, d, b0, b1, sink);
-      return;
-    }
-    for (int64_t b = b0; b < b1; ++b) {
-      int64_t m0 = 0;
-      for (; m0 + BD_MB <= M; m0 += BD_MB) {
-        bd_tile<BD_MB>(l, b, d, m0, out);
-        sink.put(m0, BD_MB, b, out);
-      }
-      const int r = int(M - m0);
-      if (r == 1) bd_tile<1>(l, b, d, m0, out);
-      if (r == 2) bd_tile<2>(l, b, d, m0, out);
-      if (r == 3) bd_tile<3>(l, b, d, m0, out);
-      if (r) sink.put(m0, r, b, out);
-    }
-  });
+  const int64_t block_bytes = NB * (l.Kp / 2 + l.Kp / group_size * 4);
+  if (M == 1 && row_tiles(l)) {
+    at::parallel_for(0, blocks, block_grain(block_bytes),
+                     [&](int64_t b0, int64_t b1) { row1_blocks(l, d, b0, b1, sink); });
+  } else {
+    q_all_blocks(M, blocks, block_bytes, sink, [&](auto mb, int64_t b, int64_t m0, float (*out)[NB]) {
+      bd_tile<decltype(mb)::value>(l, b, d, m0, out);
+    });
+  }
   return y;
 }
 

@@ -24,7 +24,6 @@
 
 namespace {
 
-constexpr int I8_MB = 4;    // activation rows per tile
 constexpr int64_t XB = 8;   // chunks (of 32 inputs) per activation scale
 
 // Activation rows as int16, [M][Kp] (zero past K), and each block's scale [M][nb].
@@ -102,25 +101,12 @@ inline void i8_tile(const int8_t* w, int64_t Kp, const I16Blocks& x, int64_t m0,
     for (int j = 0; j < NB; ++j) out[i][j] = _mm512_mask_reduce_add_ps(__mmask16(0x1111 << j), f[i]);
 }
 
-// linear_int8 on the VNNI build: every block times every row, the blocks split into one range per thread.
+// linear_int8 on the VNNI build: every block times every row (q_all_blocks' tiles and threads).
 at::Tensor linear_int8_i16dot(const Call& c, const int8_t* w, int64_t M) {
   const I16Blocks x = round_blocks_i16(c.a.p, c.a.ld, M, c.Kp);
   const int64_t Kp = c.Kp;
-  at::parallel_for(0, c.blocks, block_grain(NB * Kp), [&](int64_t b0, int64_t b1) {
-    float out[I8_MB][NB];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int8_t* wb = w + b * NB * Kp;
-      int64_t m0 = 0;
-      for (; m0 + I8_MB <= M; m0 += I8_MB) {
-        i8_tile<I8_MB>(wb, Kp, x, m0, out);
-        c.sink.put(m0, I8_MB, b, out);
-      }
-      const int r = int(M - m0);
-      if (r == 1) i8_tile<1>(wb, Kp, x, m0, out);
-      if (r == 2) i8_tile<2>(wb, Kp, x, m0, out);
-      if (r == 3) i8_tile<3>(wb, Kp, x, m0, out);
-      if (r) c.sink.put(m0, r, b, out);
-    }
+  q_all_blocks(M, c.blocks, NB * Kp, c.sink, [&](auto mb, int64_t b, int64_t m0, float (*out)[NB]) {
+    i8_tile<decltype(mb)::value>(w + b * NB * Kp, Kp, x, m0, out);
   });
   return c.y;
 }

@@ -100,11 +100,12 @@ inline void q4_tile(const uint8_t* w, const uint16_t* g, int64_t Kp, int64_t gs,
     for (int v = 0; v < NV; ++v) slot_sums<R>(vadd(acc[i][v], off[i][v]), out[i] + v * R);
 }
 
-// All rows of x times every block, in tiles of MB rows, the blocks split into contiguous ranges per thread.
+// All rows of x times every block, in tiles of MB rows, the blocks split into contiguous ranges per thread:
+// tile(std::integral_constant<int, mb>, b, m0, out) fills out[0..mb) for block b and rows m0... Every row-tiled
+// kernel's driver (int8/int4 x int8, int4 x bf16, int8 x int16).
 template <typename Tile>
 void q_all_blocks(int64_t M, int64_t blocks, int64_t block_bytes, const Sink& sink, const Tile& tile) {
-  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, block_bytes));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, block_grain(block_bytes), [&](int64_t b0, int64_t b1) {
     float out[MB][NB];
     for (int64_t b = b0; b < b1; ++b) {
       int64_t m0 = 0;
